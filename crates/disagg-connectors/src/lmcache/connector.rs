@@ -32,7 +32,8 @@
 //!    ([`Handoff::lead`]); the decode leg waits for one notification per decode TP rank
 //!    ([`Handoff::gate`], within the handoff budget).
 //! 5. Decode: `POST /v1/completions` with the ids plus the first token, `max_tokens - 1`
-//!    (16, vLLM's default, for completions without one), `min_tokens - 1`, no `echo`
+//!    (16, vLLM's default, for completions without the key; `null`, the rest of the
+//!    context, for a chat without a limit or a `null` one), `min_tokens - 1`, no `echo`
 //!    (the prefill's answer put the prompt in front), streaming as the client asked.
 //!    The numbers are read as vLLM reads them (`"5"`, `5.0`: `disagg_json::lax`).
 //!    When the first token already ended the answer (`finish_reason: stop`, or
@@ -119,7 +120,8 @@ fn refused(what: impl Into<String>) -> ConnectorError {
     }
 }
 
-/// vLLM's `max_tokens` of a completions request that sets none (or `null`).
+/// vLLM's `max_tokens` of a completions request without the key (`null` is the rest
+/// of the context).
 const COMPLETIONS_MAX_TOKENS: u64 = 16;
 
 /// Where a decode engine receives LMCache's KV pushes (its `pd_peer_host`,
@@ -444,7 +446,8 @@ pub(super) struct Plan {
     pub(super) chat: bool,
     pub(super) stream: bool,
     pub(super) include_usage: bool,
-    /// The client's `max_tokens` (or `max_completion_tokens`).
+    /// The client's token limit as vLLM reads it ([`token_limit`]); `None`: the rest
+    /// of the context.
     pub(super) max_tokens: Option<u64>,
     pub(super) min_tokens: Option<u64>,
     /// How many decode ranks notify.
@@ -551,10 +554,11 @@ impl KvConnector for Lmcache {
     /// (`StructuredOutputManager.accept_tokens` in `vllm/v1/structured_output`), so the
     /// decode's grammar would start over after a token already emitted.
     ///
-    /// So is a chat with `echo` true: vLLM then puts the last message in front of the
-    /// answer when it is the assistant's, which the completions legs cannot say (their
-    /// `echo` would repeat the whole templated prompt), and dropping it would change the
-    /// answer asked for. A false `echo` is dropped from the legs.
+    /// So is a chat whose true `echo` puts its last message in front of the answer
+    /// (vLLM does when that message's role is the answer's: the assistant's under
+    /// `add_generation_prompt`, true by default), which the completions legs cannot say
+    /// (their `echo` would repeat the whole templated prompt). An `echo` that would
+    /// put nothing there, or a false one, is dropped from the legs.
     fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
         let decision = crate::vllm::rewrite::check::check_request(req, &self.limits)?;
         if decision == Decision::Disaggregate {
@@ -614,11 +618,7 @@ impl KvConnector for Lmcache {
                 }
             }
         }
-        let max_tokens = if chat {
-            int_field(body, "max_completion_tokens").or_else(|| int_field(body, "max_tokens"))
-        } else {
-            Some(int_field(body, "max_tokens").unwrap_or(COMPLETIONS_MAX_TOKENS))
-        };
+        let max_tokens = token_limit(body, chat);
         let min_tokens = int_field(body, "min_tokens");
         let stream_options = body.get_bytes("stream_options");
         let include_usage = body
@@ -642,7 +642,7 @@ impl KvConnector for Lmcache {
         base.remove("kv_transfer_params");
         base.remove("stream_options");
         if chat {
-            // A true one is served direct (`check`); a false one says nothing.
+            // One that echoes is served direct (`check`); any other says nothing.
             base.remove("echo");
         }
 
@@ -682,8 +682,11 @@ impl KvConnector for Lmcache {
         if let Some(ids) = known {
             decode.set("prompt", ids);
         }
-        if let Some(m) = max_tokens {
-            decode.set("max_tokens", &m);
+        match max_tokens {
+            Some(m) => decode.set("max_tokens", &m),
+            // The completions API's absent `max_tokens` is 16: `null` is the rest of
+            // the context, as the client's request had it.
+            None => decode.set_raw("max_tokens", Bytes::from_static(b"null")),
         }
         decode.set("stream", &req.is_stream());
         if req.is_stream()
@@ -915,6 +918,23 @@ struct KvParamsIn {
 fn int_field(body: &JsonBody, key: &str) -> Option<u64> {
     let n = disagg_json::lax::int_value(body.get(key)?).ok()??;
     u64::try_from(n).ok()
+}
+
+/// The client's token limit as vLLM reads it, by the rules a migration's continuation
+/// reads it with (`disagg_core`'s `migrate/plan.rs`): chat's `max_completion_tokens`
+/// (a 0 falling through, which the check refused already), else `max_tokens`;
+/// completions' `max_tokens`, 16 when the key is absent. `None`: the rest of the
+/// context (a chat without a limit, a `null` one).
+fn token_limit(body: &JsonBody, chat: bool) -> Option<u64> {
+    if chat {
+        int_field(body, "max_completion_tokens")
+            .filter(|&m| m != 0)
+            .or_else(|| int_field(body, "max_tokens"))
+    } else if body.get("max_tokens").is_none() {
+        Some(COMPLETIONS_MAX_TOKENS)
+    } else {
+        int_field(body, "max_tokens")
+    }
 }
 
 /// The `/tokenize` body for a client's request (a completions prompt of text: see

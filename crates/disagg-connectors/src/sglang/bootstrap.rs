@@ -509,6 +509,12 @@ mod tests {
         ] {
             let err = c.check(&req(api, body)).unwrap_err();
             assert_eq!(err.param, param, "{body}");
+            // The OpenAI routes read `n` as pydantic does: `"2"` is two samples.
+            let message = err.to_string();
+            assert!(
+                message.starts_with("2 samples of a prompt cannot be disaggregated"),
+                "{body}: {message}"
+            );
         }
         for ok in [r#"{"messages":[],"n":1}"#, r#"{"messages":[]}"#] {
             assert_eq!(
@@ -534,17 +540,28 @@ mod tests {
     fn generate_samples_are_read_as_sglang_reads_them() {
         let c = SglangBootstrap::new();
         let check = |body: &str| c.check(&req(Api::Generate, body));
-        for refused in [
-            r#"{"text":"a","sampling_params":{"n":1,"n":2}}"#,
-            r#"{"text":["a","b"],"sampling_params":[{"n":1,"n":3},{"n":3}]}"#,
-            r#"{"text":"a","sampling_params":{"n":"2"}}"#,
-            r#"{"text":"a","sampling_params":{"n":"1"}}"#,
-            r#"{"text":"a","sampling_params":{"n":null}}"#,
-            r#"{"text":"a","sampling_params":{"n":1.5}}"#,
-            r#"{"text":"a","sampling_params":{"n":[2]}}"#,
+        // Both refusals name the field: the message tells which one it was.
+        let several = |n: usize| format!("{n} samples of a prompt cannot be disaggregated");
+        let no_integer = || "sampling_params.n must be an integer".to_owned();
+        for (refused, why) in [
+            (
+                r#"{"text":"a","sampling_params":{"n":1,"n":2}}"#,
+                several(2),
+            ),
+            (
+                r#"{"text":["a","b"],"sampling_params":[{"n":1,"n":3},{"n":3}]}"#,
+                several(3),
+            ),
+            (r#"{"text":"a","sampling_params":{"n":"2"}}"#, no_integer()),
+            (r#"{"text":"a","sampling_params":{"n":"1"}}"#, no_integer()),
+            (r#"{"text":"a","sampling_params":{"n":null}}"#, no_integer()),
+            (r#"{"text":"a","sampling_params":{"n":1.5}}"#, no_integer()),
+            (r#"{"text":"a","sampling_params":{"n":[2]}}"#, no_integer()),
         ] {
             let err = check(refused).unwrap_err();
             assert_eq!(err.param, "sampling_params.n", "{refused}");
+            let message = err.to_string();
+            assert!(message.starts_with(&why), "{refused}: {message}");
         }
         for one in [
             r#"{"text":"a","sampling_params":{"n":2,"n":1}}"#,

@@ -179,7 +179,7 @@ pub(crate) fn check_one_handoff(
     let decision = check_request(req, limits)?;
     if decision == Decision::Disaggregate
         && req.api() == Api::Completions
-        && crate::common::completion_batch(req.body()).is_some_and(|n| n > 1)
+        && crate::common::several_prompts(req.body())
     {
         return Ok(Decision::Direct { reason: BATCH });
     }
@@ -399,9 +399,13 @@ pub(crate) fn check(
     // Max tokens, as the handler resolves them.
     let requested = if chat {
         max_completion_tokens.or(max_tokens)
+    } else if f.max_tokens.is_none() {
+        // Completions: `max_tokens: int | None = 16`, 16 when the key is absent; a
+        // `null` is the rest of the context, which the proxy does not know (`None`: no
+        // upper bound to hold `min_tokens` to).
+        Some(16)
     } else {
-        // Completions: `max_tokens: null` means the model's default of 16.
-        Some(max_tokens.unwrap_or(16))
+        max_tokens
     };
     if !chat && echo && requested == Some(0) {
         return Ok(Decision::Direct {
@@ -892,6 +896,14 @@ mod tests {
             (Chat, r#""min_tokens":-1"#, "min_tokens"),
             (Chat, r#""min_tokens":6,"max_tokens":5"#, "min_tokens"),
             (Chat, r#""min_tokens":null"#, "min_tokens"),
+            // Completions' `max_tokens` is 16 when absent; `null` is the rest of the
+            // context, which the proxy does not know: no bound to hold `min_tokens` to
+            // (read from `CompletionRequest.max_tokens: int | None = 16` and
+            // `get_max_tokens`, whose bound is then the context left).
+            (Cmpl, r#""min_tokens":16"#, "ok"),
+            (Cmpl, r#""min_tokens":17"#, "min_tokens"),
+            (Cmpl, r#""max_tokens":null,"min_tokens":20"#, "ok"),
+            (Chat, r#""min_tokens":20"#, "ok"),
             // n: at least 1, and 1 under greedy sampling; completions' n is not nullable.
             (Chat, r#""n":"2""#, "ok"),
             (Chat, r#""n":null"#, "ok"),

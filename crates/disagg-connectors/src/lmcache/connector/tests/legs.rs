@@ -101,25 +101,73 @@ async fn min_tokens_hold_for_the_prefills_token_and_the_decode_owes_the_rest() {
     }
 }
 
-/// vLLM's completions default is 16 tokens: without `max_tokens` (or with `null`) the
-/// decode makes 15 after the prefill's one. Chat's default is the rest of the context,
-/// which the decode's prompt (one token longer) leaves one less of: no value is set.
+/// The decode's budget is the client's limit read as vLLM reads it (as a migration's
+/// continuation reads it, `migrate/plan.rs`): completions' `max_tokens`, 16 when the
+/// key is absent and the rest of the context when it is `null`; chat's
+/// `max_completion_tokens`, else `max_tokens`, none meaning the rest of the context.
+/// Both legs are completions requests, whose absent `max_tokens` would be 16: the rest
+/// of the context is asked for with `null` (the decode's prompt, one token longer,
+/// leaves one token less of it: the prefill's). A decode that computes the whole answer
+/// (no first token) carries the same budget, undiminished.
 #[tokio::test]
-async fn completions_without_max_tokens_make_vllms_sixteen() {
-    for body in [
-        r#"{"prompt":[1,2,3]}"#,
-        r#"{"prompt":[1,2,3],"max_tokens":null}"#,
-    ] {
-        let (h, _) = completed(Api::Completions, body, Some("length")).await;
-        assert_eq!(json_of(&h.decode.body)["max_tokens"], 15, "{body}");
+async fn the_decode_gets_the_token_limit_vllm_reads() {
+    let chat =
+        |limits: &str| format!(r#"{{"messages":[{{"role":"user","content":"hi"}}]{limits}}}"#);
+    let cases: [(Api, String, Value, Value); 8] = [
+        (
+            Api::Completions,
+            r#"{"prompt":[1,2,3]}"#.into(),
+            json!(15),
+            json!(16),
+        ),
+        (Api::Chat, chat(""), Value::Null, Value::Null),
+        (
+            Api::Completions,
+            r#"{"prompt":[1,2,3],"max_tokens":null}"#.into(),
+            Value::Null,
+            Value::Null,
+        ),
+        (
+            Api::Chat,
+            chat(r#","max_tokens":null"#),
+            Value::Null,
+            Value::Null,
+        ),
+        (
+            Api::Chat,
+            chat(r#","max_completion_tokens":null"#),
+            Value::Null,
+            Value::Null,
+        ),
+        (
+            Api::Chat,
+            chat(r#","max_completion_tokens":null,"max_tokens":"7""#),
+            json!(6),
+            json!(7),
+        ),
+        (
+            Api::Chat,
+            chat(r#","max_completion_tokens":4,"max_tokens":9"#),
+            json!(3),
+            json!(4),
+        ),
+        (
+            Api::Chat,
+            chat(r#","max_completion_tokens":5.0,"max_tokens":null"#),
+            json!(4),
+            json!(5),
+        ),
+    ];
+    for (api, body, handed, whole) in cases {
+        let (h, found) = completed(api, &body, Some("length")).await;
+        assert_eq!(found, HandoffFound::Handed, "{body}");
+        let d = json_of(&h.decode.body);
+        assert_eq!(d.get("max_tokens"), Some(&handed), "{body}: {d}");
+        let (h, found) = completed(api, &body, None).await;
+        assert_eq!(found, HandoffFound::Missing, "{body}");
+        let d = json_of(&h.decode.body);
+        assert_eq!(d.get("max_tokens"), Some(&whole), "{body}: {d}");
     }
-    let (h, _) = completed(
-        Api::Chat,
-        r#"{"messages":[{"role":"user","content":"hi"}]}"#,
-        Some("length"),
-    )
-    .await;
-    assert!(json_of(&h.decode.body).get("max_tokens").is_none());
 }
 
 /// Completions `echo` puts the prompt in front of the answer: the prefill's answer,
@@ -137,30 +185,69 @@ async fn a_completions_echo_shows_the_prompt_once() {
     assert_eq!(json_of(&h.decode.body)["echo"], true);
 }
 
-/// Chat's `echo` puts the last message in front of the answer when it is the
-/// assistant's: the completions legs cannot say that (theirs would repeat the whole
-/// templated prompt), so such a request is served by a decode alone. A false `echo` is
-/// dropped from both legs.
+/// Chat's `echo` puts the last message in front of the answer when its role is the
+/// answer's: the assistant's under `add_generation_prompt` (true by default), the last
+/// message's own without it. The completions legs cannot say that (theirs would repeat
+/// the whole templated prompt), so such a request is served by a decode alone. An
+/// `echo` that would put nothing in front (a user's last message under the generation
+/// prompt), or a false one, is dropped from both legs, which disaggregate.
 #[tokio::test]
-async fn a_chat_echo_is_served_by_a_decode_alone() {
-    let chat = |echo: &str| {
+async fn a_chat_echo_is_served_by_a_decode_alone_when_it_echoes() {
+    let chat = |last: &str, rest: &str| {
         request(
             Api::Chat,
-            &format!(
-                r#"{{"messages":[{{"role":"assistant","content":"Once"}}],"add_generation_prompt":false,"continue_final_message":true,"echo":{echo}}}"#
-            ),
+            &format!(r#"{{"messages":[{{"role":"user","content":"Say"}},{last}]{rest}}}"#),
         )
     };
+    let assistant = r#"{"role":"assistant","content":"Once"}"#;
+    let user = r#"{"role":"user","content":"Once"}"#;
     let c = connector();
-    for on in ["true", "\"yes\"", "1"] {
+    let echoed = [
+        (
+            assistant,
+            r#","add_generation_prompt":false,"continue_final_message":true,"echo":true"#,
+        ),
+        (assistant, r#","add_generation_prompt":false,"echo":"yes""#),
+        (assistant, r#","echo":1"#),
+        (assistant, r#","add_generation_prompt":true,"echo":true"#),
+        (
+            r#"{"role":"assist\u0061nt","content":"Once"}"#,
+            r#","echo":true"#,
+        ),
+        (user, r#","add_generation_prompt":false,"echo":true"#),
+        (user, r#","add_generation_prompt":"off","echo":true"#),
+    ];
+    for (last, rest) in echoed {
         assert_eq!(
-            c.check(&chat(on)).unwrap(),
+            c.check(&chat(last, rest)).unwrap(),
             Decision::Direct { reason: "echo" },
-            "{on}"
+            "{last}{rest}"
         );
     }
-    assert_eq!(c.check(&chat("false")).unwrap(), Decision::Disaggregate);
-    let h = c.prepare(&route(Some(receiver())), &chat("false")).unwrap();
-    assert!(json_of(&h.prefill.body).get("echo").is_none());
-    assert!(json_of(&h.decode.body).get("echo").is_none());
+    // Messages past `READ_OFF_LOOP_FROM` are not walked on the event loop for their
+    // last role: their `echo` is taken as one that echoes.
+    let long = request(
+        Api::Chat,
+        &format!(
+            r#"{{"messages":[{{"role":"user","content":"{}"}},{user}],"echo":true}}"#,
+            "a".repeat(READ_OFF_LOOP_FROM)
+        ),
+    );
+    assert_eq!(c.check(&long).unwrap(), Decision::Direct { reason: "echo" });
+    let r = route(Some(receiver()));
+    for (last, rest) in [
+        (user, r#","echo":true"#),
+        (user, r#","add_generation_prompt":"yes","echo":true"#),
+        (assistant, r#","add_generation_prompt":false,"echo":false"#),
+    ] {
+        let req = chat(last, rest);
+        assert_eq!(
+            c.check(&req).unwrap(),
+            Decision::Disaggregate,
+            "{last}{rest}"
+        );
+        let h = c.prepare(&r, &req).unwrap();
+        assert!(json_of(&h.prefill.body).get("echo").is_none());
+        assert!(json_of(&h.decode.body).get("echo").is_none());
+    }
 }
