@@ -545,10 +545,13 @@ pub struct EngineCall {
     pub call: &'static str,
     /// [`LegOutcome::Answered`] or [`LegOutcome::Failed`].
     pub outcome: LegOutcome,
-    /// Whether the call was a request the engine served for a client (an encoder leg,
-    /// a request an adapter forwarded to it): its answer shows the engine at work, as
-    /// an answered leg does. `false` for a call made for the proxy's own ends
-    /// (`/tokenize`), whose answer says nothing of how the engine serves requests.
+    /// Whether the call was work the engine is there for, done for a client (an
+    /// encoder leg; generation an adapter sent it direct): its answer shows the engine
+    /// at work, as an answered leg does. `false` for a call made for the proxy's own
+    /// ends (`/tokenize`) and for a request an adapter forwarded or fanned out to
+    /// whatever path its client named (`/version`, `/tokenize`, an admin request, a
+    /// 404): an engine answering those may still fail every leg, and a success would
+    /// end their run of failures (and, on a half-open engine, close its breaker).
     pub served: bool,
 }
 

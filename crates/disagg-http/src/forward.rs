@@ -6,8 +6,11 @@
 //! timeout between chunks of its answer, the healthy endpoints of the source,
 //! OpenAI-format 502/503/504 answers for an engine that fails, is missing or is slow,
 //! and passive health, which hears how the engine did (`watch::Verdict`: an engine
-//! that fails forwarded or direct requests is ejected as one failing its legs is). A
-//! fanned-out request goes to every engine, healthy or not (`Inner::fan_out`).
+//! that fails forwarded or direct requests is ejected as one failing its legs is; only
+//! generation sent direct, answered, counts as the engine working, and a redirect, a
+//! client's body that failed or was still coming, a client that left or a deadline
+//! blames no engine). A fanned-out request goes to every engine, healthy or not
+//! (`Inner::fan_out`).
 //! The client's body is held to
 //! [`PdServiceConfig::max_body_bytes`](crate::PdServiceConfig::max_body_bytes) and
 //! [`PdServiceConfig::body_timeout`](crate::PdServiceConfig::body_timeout) (past them,
@@ -38,7 +41,7 @@
 //! than one `content-type` or `content-encoding` is answered 502 naming the engine
 //! ([`unrelayable`], decided on the headers as the engine sent them).
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -192,12 +195,15 @@ impl Inner {
                 config.deadline_for(&parts.headers, tokio::time::Instant::now())
             })
             .flatten();
-        // What went wrong with a streamed client body, when it was the client's fault.
+        // What went wrong with a streamed client body (always the client's fault), and
+        // whether it has ended.
         let failed = Arc::new(OnceLock::new());
+        let body_ended = Arc::new(AtomicBool::new(false));
         let limits = StreamLimits {
             max_bytes: self.config.max_body_bytes,
             timeout: self.config.body_timeout,
             failed: Arc::clone(&failed),
+            ended: Arc::clone(&body_ended),
         };
         let mut body = ClientBody::stream(body, limits);
         // A JSON object is read whole, for its `model` and to lose the handoff fields no
@@ -247,6 +253,7 @@ impl Inner {
                 };
                 model = named;
                 generation = direct && !bytes.is_empty();
+                body_ended.store(true, Ordering::Release);
                 parts
                     .headers
                     .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
@@ -345,7 +352,10 @@ impl Inner {
             Err(out) => {
                 let (parts, body) = out.into_parts();
                 match collect_limited(body, self.config.max_body_bytes).await {
-                    Ok(bytes) => transport.send(Request::from_parts(parts, bytes)),
+                    Ok(bytes) => {
+                        body_ended.store(true, Ordering::Release);
+                        transport.send(Request::from_parts(parts, bytes))
+                    }
                     Err(e) => {
                         let err = PdError::body(e);
                         return body_refused(failed.get().unwrap_or(&err), route);
@@ -375,6 +385,7 @@ impl Inner {
             } else {
                 RouteAction::Forwarded.name()
             },
+            served: generation,
         };
         let head = match waited {
             Ok(Ok(head)) => head,
@@ -388,7 +399,12 @@ impl Inner {
             }
             Err(_) if by_deadline => return pd_error_response(&PdError::deadline_exceeded(side)),
             Err(_) => {
-                verdict.tell(LegOutcome::Failed);
+                // An engine may wait for the whole body before it answers: while the
+                // client is still sending it (a slow upload, a body timeout longer than
+                // the head timeout), the engine is not to blame.
+                if body_ended.load(Ordering::Acquire) {
+                    verdict.tell(LegOutcome::Failed);
+                }
                 let err = TransportError::Timeout;
                 return pd_error_response(&PdError::transport(side, endpoint.id().clone(), err));
             }
@@ -397,7 +413,12 @@ impl Inner {
         // Decided on the engine's headers as it sent them: those its `connection` names
         // are stripped only after.
         if let Some(why) = unrelayable(parts.status, &parts.headers, &client_accepts) {
-            verdict.tell(LegOutcome::Failed);
+            // A redirect is the engine working: the client's path was wrong (FastAPI
+            // answers `/version/` with a 307 to `/version`). Anything else unusable is
+            // the engine's own.
+            if !parts.status.is_redirection() {
+                verdict.tell(LegOutcome::Failed);
+            }
             // The body goes with the head: the engine's connection closes.
             return not_relayed(side, &endpoint, &why);
         }
@@ -545,7 +566,7 @@ impl Inner {
                 }) = &answer
                 {
                     let call = RouteAction::FannedOut.name();
-                    orchestrator.engine_call(ep, call, LegOutcome::Failed);
+                    orchestrator.engine_call(ep, call, LegOutcome::Failed, false);
                 }
                 answer
             }
@@ -1024,6 +1045,7 @@ mod tests {
             max_bytes,
             timeout: Duration::from_secs(5),
             failed,
+            ended: Arc::default(),
         };
         ClientBody::stream(body, limits)
     }

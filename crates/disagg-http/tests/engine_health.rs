@@ -1,10 +1,12 @@
 //! Passive health hears the forwarded and direct routes: an engine that fails them
-//! (refuses connections, answers 5xx, breaks or stalls its answer) is ejected after
-//! `failure_threshold` failures in a row, as one failing its orchestrated legs is,
-//! and one that answers (its 4xx included) ends a run of failures. A client that leaves
-//! and the request's own deadline blame no engine. Over loopback: a `PdService` over a
-//! `HealthSource`, served by the crate's server, raw engines behind (a closed port for
-//! an engine that refuses connections).
+//! (refuses connections, answers 5xx, breaks or stalls its answer, gives no head once
+//! the body is in) is ejected after `failure_threshold` failures in a row, as one
+//! failing its orchestrated legs is, and one that answers generation sent direct (its
+//! 4xx included) ends a run of failures; an answer to a forwarded request does not. A
+//! client that leaves, a client's body that breaks or is still coming, a redirect (the
+//! client's path) and the request's own deadline blame no engine. Over loopback: a
+//! `PdService` over a `HealthSource`, served by the crate's server, raw engines behind
+//! (a closed port for an engine that refuses connections).
 
 #![allow(missing_docs)] // a test binary
 
@@ -27,10 +29,11 @@ use tokio::sync::mpsc;
 const ROUTES: [&str; 2] = ["/v1/embeddings", "/invocations"];
 
 /// A raw engine's address; what it does with each request is named in the request's
-/// body: `do-fail` (500), `do-bad` (400), `do-break` (a 200 whose chunked body breaks
-/// off after one chunk), `do-hold` (a 200 whose chunked body stops after one chunk and
-/// is held open; the connection's close is sent on the channel), else a 200 with a
-/// JSON body. Connections are kept alive, as the engines' servers keep them.
+/// body: `do-fail` (500), `do-bad` (400), `do-redirect` (a 307 to another path of its
+/// own, as FastAPI answers `/version/` with one to `/version`), `do-break` (a 200 whose
+/// chunked body breaks off after one chunk), `do-hold` (a 200 whose chunked body stops
+/// after one chunk and is held open; the connection's close is sent on the channel),
+/// else a 200 with a JSON body. Connections are kept alive, as the engines' servers keep them.
 async fn raw_engine() -> (String, mpsc::UnboundedReceiver<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -54,6 +57,10 @@ async fn raw_engine() -> (String, mpsc::UnboundedReceiver<()>) {
                         whole("500 Internal Server Error", r#"{"error":"boom"}"#)
                     } else if request.contains("do-bad") {
                         whole("400 Bad Request", r#"{"error":"bad input"}"#)
+                    } else if request.contains("do-redirect") {
+                        "HTTP/1.1 307 Temporary Redirect\r\ncontent-length: 0\r\n\
+                         location: http://127.0.0.1/version\r\n\r\n"
+                            .to_owned()
                     } else if request.contains("do-break") || request.contains("do-hold") {
                         chunked.to_owned()
                     } else {
@@ -215,25 +222,51 @@ async fn an_engine_that_refuses_connections_is_ejected_from_forwarded_and_direct
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_5xx_counts_against_its_engine_and_an_answered_4xx_ends_the_run() {
+async fn a_5xx_counts_against_its_engine_and_only_generation_sent_direct_ends_the_run() {
+    // Generation sent direct is the engine serving a client: its answer, a 4xx
+    // included, shows the engine at work, so the next 5xx starts a new run.
+    let (engine, _) = raw_engine().await;
+    let (addr, source) = proxy(&[&engine], 2, OrchestratorConfig::default()).await;
+    let ep = endpoint(&source, &engine);
+    let health = source.health();
+    for (input, status) in [("do-fail", 500), ("do-bad", 400), ("do-fail", 500)] {
+        assert_eq!(post(addr, "/invocations", input).await.0, status, "{input}");
+    }
+    assert_eq!(health.state(&ep), Some(EndpointHealth::Healthy));
+    // Two 5xx in a row: ejected.
+    assert_eq!(post(addr, "/invocations", "do-fail").await.0, 500);
+    assert!(ejected(health.state(&ep)), "{:?}", health.state(&ep));
+
+    // A forwarded request's answer (a 4xx, or a 200 to an embeddings request) says
+    // nothing of how the engine serves generation: it ends no run of failures.
+    let (engine, _) = raw_engine().await;
+    let (addr, source) = proxy(&[&engine], 2, OrchestratorConfig::default()).await;
+    let ep = endpoint(&source, &engine);
+    let health = source.health();
+    let path = "/v1/embeddings";
+    for (input, status) in [("do-fail", 500), ("do-bad", 400), ("hello", 200)] {
+        assert_eq!(post(addr, path, input).await.0, status, "{input}");
+    }
+    assert_eq!(health.state(&ep), Some(EndpointHealth::Healthy));
+    // The second 5xx, two answers after the first: ejected.
+    assert_eq!(post(addr, path, "do-fail").await.0, 500);
+    assert!(ejected(health.state(&ep)), "{:?}", health.state(&ep));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redirect_to_the_engines_own_address_blames_no_engine() {
     for path in ROUTES {
         let (engine, _) = raw_engine().await;
         let (addr, source) = proxy(&[&engine], 2, OrchestratorConfig::default()).await;
         let ep = endpoint(&source, &engine);
-        let health = source.health();
-        // A 5xx is relayed as it came, and counted; the client's 4xx is the engine
-        // working, so the next 5xx starts a new run.
-        for (input, status) in [("do-fail", 500), ("do-bad", 400), ("do-fail", 500)] {
-            assert_eq!(post(addr, path, input).await.0, status, "{path} {input}");
+        // The engine worked: the client's path was wrong. The redirect is not relayed
+        // (502), and counts for nothing, however many come.
+        for _ in 0..5 {
+            let (status, text) = post(addr, path, "do-redirect").await;
+            assert_eq!(status, 502, "{path}: {text}");
         }
+        let health = source.health();
         assert_eq!(health.state(&ep), Some(EndpointHealth::Healthy), "{path}");
-        // Two 5xx in a row: ejected.
-        assert_eq!(post(addr, path, "do-fail").await.0, 500, "{path}");
-        assert!(
-            ejected(health.state(&ep)),
-            "{path}: {:?}",
-            health.state(&ep)
-        );
     }
 }
 
@@ -303,4 +336,130 @@ async fn an_idle_answer_counts_against_its_engine_and_the_deadline_does_not() {
     let (status, text) = post(addr, "/invocations", "do-hold").await;
     assert_eq!(status, 200, "{text}");
     assert_eq!(source.health().state(&ep), Some(EndpointHealth::Healthy));
+}
+
+/// A raw engine for uploads: it tells `heads` of each request's head as it comes, reads
+/// the body to its end (the last chunk, or its `content-length`), and answers 200 then
+/// (nothing for a body naming `do-hang`, nor for one that never ends).
+async fn upload_engine() -> (String, mpsc::UnboundedReceiver<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (heads, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let heads = heads.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 16 * 1024];
+                let mut head_end = None;
+                loop {
+                    if head_end.is_none()
+                        && let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n")
+                    {
+                        head_end = Some(i + 4);
+                        let _ = heads.send(());
+                    }
+                    if let Some(end) = head_end {
+                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                        let length: Option<usize> = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse().ok());
+                        let whole = match length {
+                            Some(n) => buf.len() >= end + n,
+                            None => buf.ends_with(b"\r\n0\r\n\r\n"),
+                        };
+                        if whole {
+                            break;
+                        }
+                    }
+                    match s.read(&mut chunk).await {
+                        Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                        _ => return,
+                    }
+                }
+                if String::from_utf8_lossy(&buf).contains("do-hang") {
+                    std::future::pending::<()>().await;
+                }
+                let body = r#"{"object":"list","data":[]}"#;
+                let out = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+                     content-length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = s.write_all(out.as_bytes()).await;
+            });
+        }
+    });
+    (url, rx)
+}
+
+/// `POST /v1/embeddings` with a chunked body that is no JSON object (it streams to the
+/// engine): its first chunk, then, once the engine has the request's head, `rest`. The
+/// answer's status.
+async fn upload(addr: SocketAddr, heads: &mut mpsc::UnboundedReceiver<()>, rest: &str) -> u16 {
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    let head = "POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: text/plain\r\n\
+                transfer-encoding: chunked\r\nconnection: close\r\n\r\n5\r\nhello\r\n";
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    heads.recv().await.unwrap();
+    tcp.write_all(rest.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let _ = tcp.read_to_end(&mut got).await;
+    let text = String::from_utf8_lossy(&got).into_owned();
+    text.get(9..12)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status: {text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_upload_is_the_clients_fault_not_the_engines() {
+    let (engine, mut heads) = upload_engine().await;
+    let (addr, source) = proxy(&[&engine], 2, OrchestratorConfig::default()).await;
+    let ep = endpoint(&source, &engine);
+    // A chunk size line that is no number: hyper fails the body (no client leaving);
+    // the client is answered 400, and the engine, asked past the threshold, is not
+    // blamed.
+    for _ in 0..4 {
+        assert_eq!(upload(addr, &mut heads, "zz\r\nhello\r\n").await, 400);
+    }
+    assert_eq!(source.health().state(&ep), Some(EndpointHealth::Healthy));
+    // A well-formed upload is answered.
+    assert_eq!(upload(addr, &mut heads, "0\r\n\r\n").await, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_timeout_during_the_clients_upload_blames_no_engine() {
+    let (engine, mut heads) = upload_engine().await;
+    let mut config = OrchestratorConfig::default();
+    config.decode_head_timeout = Duration::from_millis(300);
+    let (addr, source) = proxy(&[&engine], 1, config).await;
+    let ep = endpoint(&source, &engine);
+    // The client's body is still coming when the engine's head is due: 504, and the
+    // engine (which waits for the body) is not blamed.
+    assert_eq!(upload(addr, &mut heads, "").await, 504);
+    let health = source.health();
+    assert_eq!(health.state(&ep), Some(EndpointHealth::Healthy));
+    // Its body whole, an engine that gives no head in time is to blame.
+    let status = upload(addr, &mut heads, "7\r\ndo-hang\r\n0\r\n\r\n").await;
+    assert_eq!(status, 504);
+    assert!(ejected(health.state(&ep)), "{:?}", health.state(&ep));
+    // So it is when the body had a declared length (the transport need not poll it
+    // past its last byte).
+    let (engine, mut heads) = upload_engine().await;
+    let mut config = OrchestratorConfig::default();
+    config.decode_head_timeout = Duration::from_millis(300);
+    let (addr, source) = proxy(&[&engine], 1, config).await;
+    let ep = endpoint(&source, &engine);
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    let head = "POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: text/plain\r\n\
+                content-length: 7\r\nconnection: close\r\n\r\ndo-hang";
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    heads.recv().await.unwrap();
+    let mut got = Vec::new();
+    let _ = tcp.read_to_end(&mut got).await;
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 504"), "{text}");
+    let health = source.health();
+    assert!(ejected(health.state(&ep)), "{:?}", health.state(&ep));
 }

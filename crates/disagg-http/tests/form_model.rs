@@ -2,7 +2,7 @@
 //! model as a form field) picks its engine by its `model` field, as a JSON body's
 //! `model` does: in a fleet of several models, the form naming one reaches an engine
 //! of that model only. The field is read from the parts' own headers (never from a
-//! file's bytes that look like them), the last of repeated fields wins (as the
+//! file's bytes after it that look like them), the last of repeated fields wins (as the
 //! engines' form parser takes it), one past the ceiling is refused 400, and a form
 //! naming no model or an unknown one is answered as a JSON body would be. Over
 //! loopback: a `PdService` served by the crate's server, raw engines behind.
@@ -140,10 +140,12 @@ async fn post(addr: SocketAddr, content_type: &str, body: &[u8]) -> (u16, Value)
     (status, json)
 }
 
-/// Audio bytes holding what looks like a part's head naming another model, and a
-/// line break and dashes that are no delimiter.
-const AUDIO: &[u8] =
-    b"RIFF\0\0\xff\r\n--\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nllama\r\n";
+/// Audio bytes holding what looks like a part's head naming `model`, and a line break
+/// and dashes that are no delimiter.
+fn audio(model: &str) -> Vec<u8> {
+    let fake = format!("Content-Disposition: form-data; name=\"model\"\r\n\r\n{model}\r\n");
+    [&b"RIFF\0\0\xff\r\n--\r\n"[..], fake.as_bytes()].concat()
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forms_model_field_picks_its_engine() {
@@ -152,13 +154,15 @@ async fn a_forms_model_field_picks_its_engine() {
     let addr = proxy(&whisper, &llama).await;
     let boundary = "----formboundary7MA4YWxk";
     let multipart = format!("multipart/form-data; boundary={boundary}");
-    // The file first, then its model: whisper's engine every time (equally idle
-    // engines would otherwise take turns).
+    // The model, then a file whose bytes look like a later `model` field naming
+    // llama: whisper's engine every time (equally idle engines would otherwise take
+    // turns; a scan of the file's bytes would pick llama's).
+    let llama_audio = audio("llama");
     let body = form(
         boundary,
         &[
-            (r#"form-data; name="file"; filename="a.wav""#, AUDIO),
             (r#"form-data; name="model""#, b"whisper"),
+            (r#"form-data; name="file"; filename="a.wav""#, &llama_audio),
             (r#"form-data; name="language""#, b"en"),
         ],
     );
@@ -169,13 +173,18 @@ async fn a_forms_model_field_picks_its_engine() {
         assert!(llama_asked.try_recv().is_err(), "llama's engine was asked");
     }
     // A quoted boundary, an unquoted name, a header name in another case; the last of
-    // two `model` fields wins, as the engines' form parser (Starlette's) takes it.
+    // two `model` fields wins, as the engines' form parser (Starlette's) takes it, and
+    // a file after it whose bytes look like a field naming whisper names nothing.
+    let whisper_audio = audio("whisper");
     let body = form(
         "b-2",
         &[
             ("form-data; name=model", b"whisper"),
-            ("form-data; name=\"file\"; filename=\"model\"", AUDIO),
             ("FORM-DATA; NAME=model", b"llama"),
+            (
+                "form-data; name=\"file\"; filename=\"model\"",
+                &whisper_audio,
+            ),
         ],
     );
     let body = String::from_utf8_lossy(&body).replace("Content-Disposition", "content-disposition");

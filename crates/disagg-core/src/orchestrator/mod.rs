@@ -415,16 +415,21 @@ impl Orchestrator {
 
     /// Tell the listeners how a request this orchestrator does not serve went on the
     /// engine it was sent to (`disagg-http`'s forwarded, direct and fanned-out
-    /// requests), as an [`EngineCall`](crate::outcome::EngineCall) the engine
-    /// [`served`](crate::outcome::EngineCall::served): `endpoint` as picked from
-    /// [`source`](Self::source), `call` a fixed name for the kind of request (never the
-    /// client's path: a listener may label by it), and
+    /// requests), as an [`EngineCall`](crate::outcome::EngineCall): `endpoint` as picked
+    /// from [`source`](Self::source), `call` a fixed name for the kind of request (never
+    /// the client's path: a listener may label by it),
     /// [`LegOutcome::Answered`](crate::outcome::LegOutcome::Answered) (the engine
     /// answered, a 4xx included, and its answer ended) or
-    /// [`Failed`](crate::outcome::LegOutcome::Failed) (through the engine's own fault).
-    /// Passive health counts it as it counts a leg; the adapter tells nothing for a
-    /// request whose client left or whose deadline passed. The core's own calls
-    /// (`/tokenize`, encoder legs) are told by the orchestrator itself.
+    /// [`Failed`](crate::outcome::LegOutcome::Failed) (through the engine's own fault),
+    /// and [`served`](crate::outcome::EngineCall::served): whether the request was work
+    /// of the kind the engine is there for (generation sent to it direct), whose answer
+    /// shows it at work as an answered leg does; not a request forwarded to whatever
+    /// path a client named (`/version`, `/tokenize`, a 404), whose answer says nothing
+    /// of how it serves generation. Passive health counts a failure as a failed leg, and
+    /// an answer as a success only when it was served; the adapter tells nothing for a
+    /// request whose client left, whose client's body failed, or whose deadline passed.
+    /// The core's own calls (`/tokenize`, encoder legs) are told by the orchestrator
+    /// itself.
     ///
     /// # Examples
     ///
@@ -460,9 +465,14 @@ impl Orchestrator {
     ///     .listener(Arc::clone(&heard))
     ///     .build();
     /// let decode = Arc::clone(&source.snapshot().by_role(Role::Decode)[0]);
-    /// // A request forwarded to `decode` could not reach it.
-    /// orchestrator.engine_call(&decode, "forwarded", LegOutcome::Failed);
-    /// assert_eq!(*heard.0.lock().unwrap(), [("forwarded", LegOutcome::Failed, true)]);
+    /// // A request forwarded to `decode` could not reach it; generation sent to it
+    /// // direct was answered.
+    /// orchestrator.engine_call(&decode, "forwarded", LegOutcome::Failed, false);
+    /// orchestrator.engine_call(&decode, "direct", LegOutcome::Answered, true);
+    /// assert_eq!(
+    ///     *heard.0.lock().unwrap(),
+    ///     [("forwarded", LegOutcome::Failed, false), ("direct", LegOutcome::Answered, true)]
+    /// );
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn engine_call(
@@ -470,6 +480,7 @@ impl Orchestrator {
         endpoint: &Arc<crate::Endpoint>,
         call: &'static str,
         outcome: crate::outcome::LegOutcome,
+        served: bool,
     ) {
         self.inner
             .reporter
@@ -477,7 +488,7 @@ impl Orchestrator {
                 endpoint: Arc::clone(endpoint),
                 call,
                 outcome,
-                served: true,
+                served,
             });
     }
 

@@ -3,12 +3,13 @@
 //! leaving in the middle of it, is told.
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::task::Context;
 use std::time::Duration;
 
 use bytes::{Buf, Bytes};
-use disagg_core::error::{BoxError, PdError};
+use disagg_core::error::{BoxError, PdError, error_chain};
 use disagg_core::json::BodyError;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
@@ -52,12 +53,22 @@ pub(super) struct StreamLimits {
     pub(super) max_bytes: usize,
     /// Time for the whole body, from when it is first waited for (408 past it).
     pub(super) timeout: Duration,
-    /// Set to the client's error when the body breaks a limit, or to
+    /// Set to the client's error when the body breaks a limit or fails in any other
+    /// way ([`ClientBodyFailed`]: a malformed chunked upload), or to
     /// [`ClientLeft`](body::ClientLeft) when its client leaves in the middle of it: the
     /// exchange then fails, and the forwarding answers with this instead of the
-    /// engine's failure.
+    /// engine's failure, and blames no engine.
     pub(super) failed: Arc<OnceLock<PdError>>,
+    /// Set once the body has ended (the client sent all of it): until then, an engine
+    /// that gives no head may be waiting for the rest, and is not to blame.
+    pub(super) ended: Arc<AtomicBool>,
 }
+
+/// A client's body that failed other than by its client leaving (hyper's error for a
+/// malformed chunked body, say): the client's fault, answered 400.
+#[derive(Debug, thiserror::Error)]
+#[error("the request body could not be read: {0}")]
+pub(super) struct ClientBodyFailed(String);
 
 /// A client's request body on its way to the engine: streamed frame by frame (cut past
 /// the body limit, and past the body timeout, which runs as
@@ -75,6 +86,8 @@ type DynBody = Pin<Box<dyn Body<Data = Bytes, Error = BoxError> + Send>>;
 pub(super) struct ClientLimits {
     hint: SizeHint,
     left: u64,
+    /// The bytes the body has sent.
+    received: u64,
     ended: bool,
     limits: Option<StreamLimits>,
     /// Armed at the first wait for the client.
@@ -103,9 +116,13 @@ impl ClientBody {
         let body = body
             .map_frame(|f| f.map_data(|mut d| d.copy_to_bytes(d.remaining())))
             .map_err(Into::into);
+        if ended && let Some(l) = &limits {
+            l.ended.store(true, Ordering::Release);
+        }
         let limits = ClientLimits {
             hint,
             left,
+            received: 0,
             ended,
             limits,
             timer: None,
@@ -140,21 +157,36 @@ impl Hooks<Unshared<DynBody>> for ClientLimits {
                 return Err(self.fail(PdError::body(BodyError::TooLarge { limit: max })));
             }
             self.left -= len;
+            self.received += len;
+            // A body of a declared length has ended with its last byte: the transport
+            // need not poll it again to learn so.
+            if self.hint.exact() == Some(self.received)
+                && let Some(limits) = &self.limits
+            {
+                limits.ended.store(true, Ordering::Release);
+            }
         }
         Ok(())
     }
 
     fn end(&mut self) {
         self.ended = true;
+        if let Some(limits) = &self.limits {
+            limits.ended.store(true, Ordering::Release);
+        }
     }
 
     fn error(&mut self, err: &BoxError) {
         // The client's error goes to the transport, which fails the exchange with an
-        // error of its own: that it was the client leaving is told on the side.
-        if body::client_left(&**err)
-            && let Some(limits) = &self.limits
-        {
-            let _ = limits.failed.set(PdError::body(body::ClientLeft));
+        // error of its own: what the client did is told on the side, whatever it was
+        // (its leaving, or a body that broke another way), so that no engine is blamed.
+        if let Some(limits) = &self.limits {
+            let failed = if body::client_left(&**err) {
+                PdError::body(body::ClientLeft)
+            } else {
+                PdError::body(ClientBodyFailed(error_chain(&**err)))
+            };
+            let _ = limits.failed.set(failed);
         }
     }
 

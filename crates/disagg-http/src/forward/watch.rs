@@ -25,20 +25,27 @@ use crate::tap::{Hooks, Tap};
 /// How an engine did on a request sent to it alone, told once to the orchestrator's
 /// listeners as an engine call ([`Orchestrator::engine_call`]; passive health hears
 /// it): [`LegOutcome::Failed`] when the engine could not be reached, gave no head in
-/// time, answered 5xx or something unusable, or broke off or went silent in its
-/// answer; [`LegOutcome::Answered`] when its answer ended. Nothing when the client left
-/// or the request's deadline passed: no fault of the engine's.
+/// time after the client's body was in, answered 5xx or something unusable of its own
+/// (not a redirect: the client's path was wrong), or broke off or went silent in its
+/// answer; [`LegOutcome::Answered`] when its answer ended, which counts for the engine
+/// only when it [`served`](Self::served) generation. Nothing when the client left, its
+/// body failed, or the request's deadline passed: no fault of the engine's.
 pub(super) struct Verdict {
     pub(super) orchestrator: Orchestrator,
     pub(super) endpoint: Arc<Endpoint>,
     /// The route kind (`forwarded`, `direct`): never the client's path.
     pub(super) call: &'static str,
+    /// Whether the request was generation sent direct
+    /// ([`EngineCall::served`](disagg_core::outcome::EngineCall::served)): an answer to
+    /// anything else (whatever path a client forwarded: `/version`, a 404) says nothing
+    /// of how the engine serves generation.
+    pub(super) served: bool,
 }
 
 impl Verdict {
     pub(super) fn tell(self, outcome: LegOutcome) {
         self.orchestrator
-            .engine_call(&self.endpoint, self.call, outcome);
+            .engine_call(&self.endpoint, self.call, outcome, self.served);
     }
 }
 

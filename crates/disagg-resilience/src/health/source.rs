@@ -65,7 +65,8 @@ impl EndpointSource for HealthSource {
 /// leaves it out; so is one that refuses the requests `disagg-http` forwards to it or
 /// sends it direct. One that answered counts as a success when the engine
 /// [`served`](EngineCall::served) a client's request (an encoder's calls, E/P/D, are
-/// its legs; a forwarded or direct request answered to its end), and for nothing
+/// its legs; generation `disagg-http` sent direct, answered to its end; never a
+/// forwarded or fanned-out request, whose answer may be to any path), and for nothing
 /// otherwise: an engine answering `/tokenize` may still fail its legs, and a success
 /// would reset their count.
 impl Listener for Health {
