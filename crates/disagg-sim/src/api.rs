@@ -160,6 +160,8 @@ pub(crate) struct CompletionRequest {
     pub(crate) reused_ids: bool,
     /// `return_token_ids`: the answer carries the prompt's ids.
     pub(crate) return_token_ids: bool,
+    /// vLLM's completions route given `"max_tokens": null`: fails ([`crate::null_limit`]).
+    pub(crate) null_max_tokens: bool,
 }
 
 /// Appends the whitespace-separated text of a chat message's `content`.
@@ -558,6 +560,7 @@ impl CompletionRequest {
             tokenized,
             reused_ids,
             return_token_ids,
+            null_max_tokens: crate::null_limit::fails_on(vllm, endpoint, obj),
         })
     }
 

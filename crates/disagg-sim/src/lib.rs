@@ -715,6 +715,7 @@ mod lmcache;
 mod metrics;
 mod mooncake;
 mod native;
+mod null_limit;
 mod prefix_cache;
 mod received;
 mod rendezvous;

@@ -197,6 +197,7 @@ pub(crate) fn parse(body: &Value, config: &SimConfig) -> Result<CompletionReques
         tokenized: false,
         reused_ids: false,
         return_token_ids: false,
+        null_max_tokens: false,
     })
 }
 

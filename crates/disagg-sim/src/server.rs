@@ -2502,6 +2502,11 @@ async fn serve_completion(
     let id = format!("{prefix}{request_id}");
     let created = unix_now();
 
+    // vLLM's completions route fails on its first output given `"max_tokens": null`.
+    let null_limit = request.null_max_tokens && request.gen_api.is_none();
+    if request.stream && null_limit {
+        return Ok(crate::null_limit::stream(config.inter_token_delay, guard));
+    }
     if request.stream {
         let completion_tokens = choices.iter().map(|c| c.steps.len() as u64).sum();
         let spec = SseSpec {
@@ -2565,6 +2570,10 @@ async fn serve_completion(
     if steps > 1 && !config.inter_token_delay.is_zero() {
         let steps = u32::try_from(steps - 1).unwrap_or(u32::MAX);
         tokio::time::sleep(config.inter_token_delay.saturating_mul(steps)).await;
+    }
+    // ... and on its finished answer.
+    if null_limit {
+        return Err((crate::null_limit::error(), guard));
     }
     if kv_out.is_some() {
         bump(&counters.kv_params_returned);

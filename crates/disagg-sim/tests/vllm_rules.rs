@@ -441,3 +441,48 @@ async fn batches_beyond_the_choice_and_token_ceilings_are_refused() {
     assert_eq!(reply.status, 200, "{}", reply.text());
     assert_eq!(reply.json()["choices"].as_array().unwrap().len(), 1024);
 }
+
+/// A completions request with an explicit `"max_tokens": null` fails as on vLLM,
+/// whose completions handler asserts a limit for every output: streamed, a 200 head,
+/// one error event, then `[DONE]`; not streamed, a 500 in vLLM's shape. Absent, the
+/// limit is 16; a chat's null is no limit, and is served.
+#[tokio::test]
+async fn vllm_completions_fail_on_a_null_max_tokens() {
+    let e = engine(KvMode::Nixl, |_| {}).await;
+    let streamed = post(
+        e.addr(),
+        COMPLETIONS,
+        &json!({"prompt": PROMPT, "max_tokens": null, "stream": true}),
+    )
+    .await;
+    assert_eq!(streamed.status, 200, "{}", streamed.text());
+    let events = streamed.events();
+    assert_eq!(events.len(), 2, "{events:?}");
+    let error = &events[0]["error"];
+    assert!(
+        error["message"].as_str().unwrap().contains("max_tokens"),
+        "{error}"
+    );
+    assert_eq!(error["code"], 500, "{error}");
+    assert!(events[0].get("choices").is_none(), "{events:?}");
+    assert_eq!(events[1], "[DONE]");
+
+    let whole = post(
+        e.addr(),
+        COMPLETIONS,
+        &json!({"prompt": PROMPT, "max_tokens": null}),
+    )
+    .await;
+    assert_eq!(whole.status, 500, "{}", whole.text());
+    let v = whole.json();
+    assert_eq!(v["error"]["type"], "InternalServerError", "{v}");
+    assert_eq!(v["error"]["code"], 500, "{v}");
+    assert!(error_message(&whole).contains("max_tokens"), "{v}");
+
+    // Absent: vLLM's default of 16.
+    let absent = post(e.addr(), COMPLETIONS, &json!({"prompt": PROMPT})).await;
+    assert_eq!(absent.json()["usage"]["completion_tokens"], 16);
+    // A chat's null is "no limit": served.
+    let chat_null = post(e.addr(), CHAT, &chat(json!({"max_tokens": null}))).await;
+    assert_eq!(chat_null.status, 200, "{}", chat_null.text());
+}

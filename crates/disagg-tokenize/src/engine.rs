@@ -51,6 +51,9 @@ use crate::prompt::{
 use crate::walk::{Skip, skip_map, skip_seq};
 use crate::{Tokenize, Tokens};
 
+mod max_len;
+pub use max_len::TokenizeAnswer;
+
 /// The largest `/tokenize` answer read by default: room for a prompt of a few million
 /// tokens written as decimal ids.
 pub const DEFAULT_MAX_ANSWER: usize = 64 * 1024 * 1024;
@@ -704,6 +707,22 @@ pub async fn request_tokens(
     max_ids: usize,
     blocking: &BlockingLimit,
 ) -> Result<Vec<u32>, IdsError> {
+    let answer = request_answer(transport, uri, body, max_ids, blocking).await?;
+    Ok(answer.ids)
+}
+
+/// [`request_tokens`], with the answer's `max_model_len` as well.
+///
+/// # Errors
+///
+/// As [`request_tokens`].
+pub async fn request_answer(
+    transport: &dyn Transport,
+    uri: http::Uri,
+    body: Bytes,
+    max_ids: usize,
+    blocking: &BlockingLimit,
+) -> Result<TokenizeAnswer, IdsError> {
     let resp = send(transport, uri, body).await?;
     let status = resp.status();
     if !status.is_success() {
@@ -717,18 +736,18 @@ pub async fn request_tokens(
         .await
         .map_err(EngineError::Body)?;
     let decode = move |bytes: &[u8]| {
-        let over = Cell::new(false);
-        let read = whole(
-            bytes,
-            AnswerSeed {
-                max: max_ids,
-                over: &over,
-            },
-        );
-        finished(read, &over, max_ids).map_err(|e| match e {
+        let (over, max_model_len) = (Cell::new(false), Cell::new(None));
+        let seed = AnswerSeed {
+            max: max_ids,
+            over: &over,
+            max_model_len: &max_model_len,
+        };
+        let ids = finished(whole(bytes, seed), &over, max_ids).map_err(|e| match e {
             IdsError::Invalid(e) => IdsError::Engine(EngineError::Decode(e)),
             e => e,
-        })
+        })?;
+        let max_model_len = max_model_len.get();
+        Ok(TokenizeAnswer { ids, max_model_len })
     };
     if bytes.len() < READ_OFF_LOOP_FROM {
         return decode(&bytes);
@@ -845,10 +864,11 @@ impl<'de, T: Deserialize<'de>> Visitor<'de> for AtMost<'_, T> {
 /// Reads a `/tokenize` answer (`{"tokens": [...], ...}`, the other members skipped)
 /// into its ids, at most `max` of them ([`AtMost`]). A repeated or missing `tokens` is
 /// refused, as a derived reading refuses them; a batch answer's list of lists is
-/// refused too.
+/// refused too. Its `max_model_len` (the last one given) is set in `max_model_len`.
 struct AnswerSeed<'a> {
     max: usize,
     over: &'a Cell<bool>,
+    max_model_len: &'a Cell<Option<u64>>,
 }
 
 impl<'de> DeserializeSeed<'de> for AnswerSeed<'_> {
@@ -877,6 +897,10 @@ impl<'de> Visitor<'de> for AnswerSeed<'_> {
                 AnswerKey::Tokens => {
                     tokens = Some(map.next_value_seed(AtMost::<u32>::new(self.max, self.over))?);
                 }
+                AnswerKey::MaxModelLen => {
+                    self.max_model_len
+                        .set(map.next_value::<max_len::MaxLen>()?.0);
+                }
                 AnswerKey::Other => {
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -889,6 +913,7 @@ impl<'de> Visitor<'de> for AnswerSeed<'_> {
 /// A key of a `/tokenize` answer: `tokens` (escapes decoded) or another.
 enum AnswerKey {
     Tokens,
+    MaxModelLen,
     Other,
 }
 
@@ -903,6 +928,7 @@ impl<'de> Deserialize<'de> for AnswerKey {
             fn visit_str<E>(self, s: &str) -> Result<AnswerKey, E> {
                 Ok(match s {
                     "tokens" => AnswerKey::Tokens,
+                    "max_model_len" => AnswerKey::MaxModelLen,
                     _ => AnswerKey::Other,
                 })
             }
@@ -961,10 +987,11 @@ async fn fetch_answer(
 
 /// The token ids of a `/tokenize` answer, however many.
 fn decode_answer(bytes: &[u8]) -> Result<Vec<u32>, EngineError> {
-    let over = Cell::new(false);
+    let (over, max_model_len) = (Cell::new(false), Cell::new(None));
     let seed = AnswerSeed {
         max: usize::MAX,
         over: &over,
+        max_model_len: &max_model_len,
     };
     whole(bytes, seed).map_err(EngineError::Decode)
 }
@@ -1279,6 +1306,7 @@ mod tests {
         let seed = AnswerSeed {
             max: 4,
             over: &over,
+            max_model_len: &Cell::new(None),
         };
         let got = seed.deserialize(&mut serde_json::Deserializer::from_reader(&mut r));
         assert!(got.is_err() && over.get(), "{got:?}");
@@ -1345,6 +1373,30 @@ mod tests {
             let mut resp = http::Response::new(body);
             *resp.status_mut() = self.1;
             Box::pin(std::future::ready(Ok(resp)))
+        }
+    }
+
+    /// `request_answer` gives the answer's `max_model_len` when it is a positive
+    /// integer, `None` for any other value or none, and still reads the ids.
+    #[tokio::test]
+    async fn request_answer_reads_the_context_length() {
+        let limit = BlockingLimit::default();
+        let uri: http::Uri = "http://127.0.0.1:9/tokenize".parse().unwrap();
+        for (answer, want) in [
+            (r#"{"count":2,"max_model_len":8,"tokens":[1,2]}"#, Some(8)),
+            (r#"{"tokens":[1,2],"max_model_len":131072}"#, Some(131_072)),
+            (r#"{"tokens":[1,2]}"#, None),
+            (r#"{"tokens":[1,2],"max_model_len":0}"#, None),
+            (r#"{"tokens":[1,2],"max_model_len":-3}"#, None),
+            (r#"{"tokens":[1,2],"max_model_len":"8"}"#, None),
+            (r#"{"tokens":[1,2],"max_model_len":null}"#, None),
+            (r#"{"tokens":[1,2],"max_model_len":{"a":[1]}}"#, None),
+        ] {
+            let t = Answering(answer, http::StatusCode::OK);
+            let got = request_answer(&t, uri.clone(), Bytes::new(), 4, &limit)
+                .await
+                .unwrap();
+            assert_eq!((got.ids, got.max_model_len), (vec![1, 2], want), "{answer}");
         }
     }
 

@@ -32,12 +32,18 @@
 //!    ([`Handoff::lead`]); the decode leg waits for one notification per decode TP rank
 //!    ([`Handoff::gate`], within the handoff budget).
 //! 5. Decode: `POST /v1/completions` with the ids plus the first token, `max_tokens - 1`
-//!    (16, vLLM's default, for completions without the key; `null`, the rest of the
-//!    context, for a chat without a limit or a `null` one), `min_tokens - 1`, no `echo`
+//!    (16, vLLM's default, for completions without the key), `min_tokens - 1`, no `echo`
 //!    (the prefill's answer put the prompt in front), streaming as the client asked.
 //!    The numbers are read as vLLM reads them (`"5"`, `5.0`: `disagg_json::lax`).
-//!    When the first token already ended the answer (`finish_reason: stop`, or
-//!    `max_tokens: 1`), no decode leg is sent.
+//!    A client without a limit (a chat without one, a `null` one) gets the rest of the
+//!    context: the `max_model_len` of the prefill's `/tokenize` answer less the
+//!    decode's prompt (the ids and the first token). Never `null`: vLLM's completions
+//!    route asserts a number for every output, and a `null` fails the decode at its
+//!    first token. Without a known `max_model_len` (no `/tokenize` was asked, the
+//!    prompt being ids already, or its answer had none) the key is left out: vLLM's
+//!    16, the answer ending with `finish_reason: length`.
+//!    When the first token already ended the answer (`finish_reason: stop`,
+//!    `max_tokens: 1`, or no room left in the context), no decode leg is sent.
 //! 6. The decode's answer is turned into the client's (the plan's [`Reshape`]): the first
 //!    token is put in front of a non-streaming answer, usage counts the prompt and every
 //!    generated token once, and a chat client gets the chat form (chunks and body).
@@ -71,6 +77,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
+use self::limit::{int_field, rest_of_context, token_limit};
 use self::prompt::{Kind, Unchecked};
 use super::notify::{Notifications, Pending};
 use super::reshape::{lead, reshaper};
@@ -119,10 +126,6 @@ fn refused(what: impl Into<String>) -> ConnectorError {
         what: what.into(),
     }
 }
-
-/// vLLM's `max_tokens` of a completions request without the key (`null` is the rest
-/// of the context).
-const COMPLETIONS_MAX_TOKENS: u64 = 16;
 
 /// Where a decode engine receives LMCache's KV pushes (its `pd_peer_host`,
 /// `pd_peer_init_port` and `pd_peer_alloc_port`), kept in the decode endpoint's
@@ -446,9 +449,12 @@ pub(super) struct Plan {
     pub(super) chat: bool,
     pub(super) stream: bool,
     pub(super) include_usage: bool,
-    /// The client's token limit as vLLM reads it ([`token_limit`]); `None`: the rest
+    /// The client's token limit as vLLM reads it ([`token_limit`](limit::token_limit)); `None`: the rest
     /// of the context.
     pub(super) max_tokens: Option<u64>,
+    /// The prefill engine's context length, from its `/tokenize` answer (`None`: not
+    /// asked, or not given as a positive integer).
+    pub(super) max_model_len: Option<u64>,
     pub(super) min_tokens: Option<u64>,
     /// How many decode ranks notify.
     pub(super) ranks: usize,
@@ -684,9 +690,11 @@ impl KvConnector for Lmcache {
         }
         match max_tokens {
             Some(m) => decode.set("max_tokens", &m),
-            // The completions API's absent `max_tokens` is 16: `null` is the rest of
-            // the context, as the client's request had it.
-            None => decode.set_raw("max_tokens", Bytes::from_static(b"null")),
+            // The rest of the context, once known (`complete`); never a `null`, which
+            // vLLM's completions route fails on.
+            None => {
+                decode.remove("max_tokens");
+            }
         }
         decode.set("stream", &req.is_stream());
         if req.is_stream()
@@ -712,6 +720,7 @@ impl KvConnector for Lmcache {
             stream: req.is_stream(),
             include_usage,
             max_tokens,
+            max_model_len: None,
             min_tokens,
             ranks: receiver.ranks(),
             tokenize,
@@ -755,7 +764,8 @@ impl KvConnector for Lmcache {
         };
         let max = self.max_prompt_tokens;
         let prompt = handoff.prefill.body.get_bytes("prompt");
-        let tokens = ids::prompt_ids(transport, &ep, tokenize, prompt, max, &self.blocking).await?;
+        let (tokens, max_model_len) =
+            ids::prompt_ids(transport, &ep, tokenize, prompt, max, &self.blocking).await?;
         if tokens.is_empty() {
             return Err(ids::empty());
         }
@@ -771,6 +781,7 @@ impl KvConnector for Lmcache {
         handoff.gate = Some(Arc::new(Gate(pending)));
         if let Some(p) = handoff.ext.get_mut::<Plan>() {
             p.tokens = Some(tokens);
+            p.max_model_len = max_model_len;
         }
         Ok(())
     }
@@ -802,15 +813,23 @@ impl KvConnector for Lmcache {
             (first_tok, first_choice, plan.tokens.clone())
         else {
             // No first token: the decode computes the whole answer from the prompt.
+            let prompt = plan.tokens.as_ref().map(|t| t.len());
+            if let Some(rest) = prompt.and_then(|p| rest_of_context(plan, p)) {
+                // None left: vLLM refuses it as too long, as it would the client's.
+                handoff.decode.body.set("max_tokens", &rest.max(1));
+            }
             handoff.gate = None;
             handoff.reshape = reshaper(plan);
             return Ok(HandoffFound::Missing);
         };
+        // The decode's prompt is the ids and the first token.
+        let rest = rest_of_context(plan, tokens.len().saturating_add(1));
         let finished = choice
             .finish_reason
             .as_deref()
             .is_some_and(|f| f != "length")
-            || plan.max_tokens.is_some_and(|m| m <= 1);
+            || plan.max_tokens.is_some_and(|m| m <= 1)
+            || rest == Some(0);
         let first = First {
             id: reply.id.unwrap_or_else(|| format!("cmpl-{}", plan.req_id)),
             created: reply.created.unwrap_or(0),
@@ -836,8 +855,8 @@ impl KvConnector for Lmcache {
         decode.set("prompt", &prompt);
         // A completions `echo` put the prompt in front of the prefill's token already.
         decode.remove("echo");
-        if let Some(m) = plan.max_tokens {
-            decode.set("max_tokens", &(m - 1));
+        if let Some(m) = plan.max_tokens.map(|m| m - 1).or(rest) {
+            decode.set("max_tokens", &m);
         }
         if let Some(m) = plan.min_tokens {
             decode.set("min_tokens", &m.saturating_sub(1));
@@ -913,30 +932,6 @@ struct KvParamsIn {
     first_tok: Option<u64>,
 }
 
-/// `key` read as vLLM reads it, pydantic's lax `int` (`"5"`, `5.0`): `None` when absent,
-/// `null`, below 0 or no integer (the check refused those where vLLM would).
-fn int_field(body: &JsonBody, key: &str) -> Option<u64> {
-    let n = disagg_json::lax::int_value(body.get(key)?).ok()??;
-    u64::try_from(n).ok()
-}
-
-/// The client's token limit as vLLM reads it, by the rules a migration's continuation
-/// reads it with (`disagg_core`'s `migrate/plan.rs`): chat's `max_completion_tokens`
-/// (a 0 falling through, which the check refused already), else `max_tokens`;
-/// completions' `max_tokens`, 16 when the key is absent. `None`: the rest of the
-/// context (a chat without a limit, a `null` one).
-fn token_limit(body: &JsonBody, chat: bool) -> Option<u64> {
-    if chat {
-        int_field(body, "max_completion_tokens")
-            .filter(|&m| m != 0)
-            .or_else(|| int_field(body, "max_tokens"))
-    } else if body.get("max_tokens").is_none() {
-        Some(COMPLETIONS_MAX_TOKENS)
-    } else {
-        int_field(body, "max_tokens")
-    }
-}
-
 /// The `/tokenize` body for a client's request (a completions prompt of text: see
 /// [`Kind`]).
 fn tokenize_request(body: &JsonBody, chat: bool) -> Bytes {
@@ -984,6 +979,7 @@ fn completion_tokenize(model: Option<&[u8]>, prompt: &[u8]) -> Bytes {
 
 mod direct;
 mod ids;
+mod limit;
 mod media;
 mod prompt;
 

@@ -473,3 +473,50 @@ async fn a_continuation_under_a_head_timeout_the_clock_cannot_hold_moves_on() {
         assert_settled(&orch);
     }
 }
+
+/// A chat without a token limit is not migrated: its continuation would go to the
+/// completions API, which vLLM fails on a `"max_tokens": null` (it asserts a number),
+/// and the proxy does not know the model's context length to say the rest in numbers.
+/// Its decode leg is not asked for token ids, and when its stream breaks the client's
+/// stream ends with the error, no continuation sent.
+#[tokio::test(start_paused = true)]
+async fn a_chat_without_a_token_limit_is_not_migrated() {
+    for limit in [
+        "",
+        r#","max_tokens":null"#,
+        r#","max_completion_tokens":null"#,
+    ] {
+        let fake = Fake::new();
+        breaks(&fake).on(D2, COMPLETIONS, to_the_end("B", 8));
+        let orch = over(
+            &fake,
+            &[P1],
+            &[D1, D2],
+            VllmNixl::new(),
+            continuing(1, true),
+        )
+        .build();
+        let body = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"stream":true{limit}}}"#
+        );
+        let req = orch
+            .request(Api::Chat, HeaderMap::new(), &Bytes::from(body))
+            .unwrap();
+        let mut body = serve(&orch, req).await.unwrap().into_body();
+        assert!(
+            within(ended(&mut body)).await.is_some(),
+            "{limit}: no error"
+        );
+        let calls = fake.calls();
+        assert!(
+            calls.iter().all(|c| c.uri.path() != COMPLETIONS),
+            "{limit}: a continuation was sent"
+        );
+        let decode = fake.calls_to(D1);
+        assert_eq!(decode.len(), 1, "{limit}");
+        let sent: serde_json::Value = serde_json::from_slice(&decode[0].body).unwrap();
+        assert!(sent.get("return_token_ids").is_none(), "{limit}: {sent}");
+        drop(body);
+        assert_settled(&orch);
+    }
+}

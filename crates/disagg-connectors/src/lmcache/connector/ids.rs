@@ -10,15 +10,16 @@ use disagg_core::endpoint::Endpoint;
 use disagg_core::error::{ConnectorError, error_chain};
 use disagg_core::transport::Transport;
 use disagg_tokenize::EngineError;
-use disagg_tokenize::engine::{IdsError, read_ids, request_tokens};
+use disagg_tokenize::engine::{IdsError, read_ids, request_answer};
 use disagg_tokenize::prompt::BlockingLimit;
 
 use super::refused;
 
 /// The prompt's token ids, at most `max` of them: the prefill engine's `/tokenize`
 /// answer to `tokenize` (the exchange `disagg-tokenize`'s `EngineTokenizer` makes too)
-/// when the prompt is to be tokenized, else the client's own ids (`prompt`, a JSON
-/// list). Lists are decoded no further than the first id past `max`, the answer read no
+/// when the prompt is to be tokenized, with the answer's `max_model_len` (when it is a
+/// positive integer), else the client's own ids (`prompt`, a JSON list), with no
+/// context length. Lists are decoded no further than the first id past `max`, the answer read no
 /// further than one of `max` ids can take, and large lists decoded on the blocking pool
 /// within `blocking`.
 ///
@@ -37,7 +38,7 @@ pub(super) async fn prompt_ids(
     prompt: Option<Bytes>,
     max: usize,
     blocking: &BlockingLimit,
-) -> Result<Arc<[u64]>, ConnectorError> {
+) -> Result<(Arc<[u64]>, Option<u64>), ConnectorError> {
     match (tokenize, prompt) {
         (Some(body), _) => {
             let uri = ep
@@ -46,15 +47,16 @@ pub(super) async fn prompt_ids(
                     endpoint: ep.id().clone(),
                     what: "address that makes a `/tokenize` URI",
                 })?;
-            let ids = request_tokens(transport, uri, body, max, blocking)
+            let answer = request_answer(transport, uri, body, max, blocking)
                 .await
                 .map_err(|e| tokenize_error(ep, e, max))?;
             // Widened once counted: at most `max` of them.
-            Ok(ids.into_iter().map(u64::from).collect())
+            let ids = answer.ids.into_iter().map(u64::from).collect();
+            Ok((ids, answer.max_model_len))
         }
         (None, Some(raw)) => read_ids::<u64>(raw, max, blocking)
             .await
-            .map(Arc::from)
+            .map(|ids| (Arc::from(ids), None))
             .map_err(|e| match e {
                 IdsError::TooMany { .. } => too_long(max),
                 IdsError::Blocking(e) => lost("reading the prompt's token ids", &e),

@@ -26,7 +26,8 @@ pub(crate) struct Plan {
     /// The client asked for a usage chunk (`stream_options.include_usage`).
     pub(super) usage: bool,
     /// The most tokens the client's request generates, as the engine reads its body
-    /// (see [`plan`]); `None`: to the end of the context.
+    /// (see [`plan`]). Always a number: a request without one is not eligible (`None`
+    /// is never planned).
     pub(super) max_tokens: Option<u64>,
     /// The client's `min_tokens`.
     pub(super) min_tokens: Option<u64>,
@@ -101,12 +102,18 @@ fn flag(raw: Option<&[u8]>) -> bool {
 
 /// What vLLM's completions API generates when the body names no `max_tokens` (the
 /// OpenAI default its `CompletionRequest` declares). Chat has none: it generates to the
-/// end of the context.
+/// end of the context. An explicit `null` is no default: vLLM's completions handler
+/// asserts a number for every output, and fails the request at its first.
 pub(super) const COMPLETIONS_DEFAULT_MAX_TOKENS: u64 = 16;
 
 /// Whether `req` may be migrated under `config`, decided from its body alone: a
-/// streamed chat or completion with one sequence and nothing a token prompt cannot
-/// carry ([`REFUSED`]; a `seed` only with [`MigrationConfig::allow_seed`]).
+/// streamed chat or completion with one sequence, a numeric token limit, and nothing a
+/// token prompt cannot carry ([`REFUSED`]; a `seed` only with
+/// [`MigrationConfig::allow_seed`]). Not eligible without a numeric limit (a chat
+/// without `max_completion_tokens` or `max_tokens`, a completions `"max_tokens":
+/// null`): the continuation goes to the completions API, which fails a `null` limit
+/// (vLLM asserts a number), and the proxy does not know the model's context length to
+/// ask for the rest of it in numbers.
 pub(crate) fn plan(config: &MigrationConfig, req: &PdRequest) -> Option<Plan> {
     if config.limit == 0 || !req.is_stream() {
         return None;
@@ -176,7 +183,8 @@ pub(crate) fn plan(config: &MigrationConfig, req: &PdRequest) -> Option<Plan> {
     // The limit the engine generates to, which the continuation must carry less what
     // was generated. Chat: `max_completion_tokens or max_tokens`, as vLLM resolves them
     // (Python's `or`: a 0 falls through), none meaning the rest of the context.
-    // Completions: `max_tokens`, 16 when absent, the rest of the context when `null`.
+    // Completions: `max_tokens`, 16 when absent. Without a number (a chat without a
+    // limit, a completions `null`): not eligible (see above).
     let (Ok(max_completion), Ok(max), Ok(min)) = (
         int(b.get("max_completion_tokens")),
         int(b.get("max_tokens")),
@@ -192,10 +200,7 @@ pub(crate) fn plan(config: &MigrationConfig, req: &PdRequest) -> Option<Plan> {
         max
     };
     // A negative limit fails the request at the engine; nothing to plan for.
-    let max_tokens = match max_tokens {
-        Some(m) => Some(u64::try_from(m).ok()?),
-        None => None,
-    };
+    let max_tokens = Some(u64::try_from(max_tokens?).ok()?);
     Some(Plan {
         chat,
         generate: None,
@@ -242,11 +247,10 @@ pub(super) fn continuation_body(
         }
     }
     body.set("prompt", ids);
-    match left {
-        Some(left) => body.set("max_tokens", &left),
-        // The continuation goes to the completions API, whose absent `max_tokens` means
-        // 16: `null` asks for the rest of the context, as the client's chat did.
-        None => body.set_raw("max_tokens", Bytes::from_static(b"null")),
+    // Never `null`, which vLLM's completions API fails on; a plan always has a limit
+    // ([`plan`]), so `left` is always a number.
+    if let Some(left) = left {
+        body.set("max_tokens", &left);
     }
     if let Some(min) = plan.min_tokens {
         body.set("min_tokens", &min.saturating_sub(generated));

@@ -176,7 +176,7 @@ fn eligibility_is_decided_from_the_body() {
         ..MigrationConfig::default()
     };
     let chat = |extra: serde_json::Value| {
-        let mut body = serde_json::json!({"messages": [], "stream": true});
+        let mut body = serde_json::json!({"messages": [], "stream": true, "max_tokens": 64});
         body.as_object_mut()
             .unwrap()
             .extend(extra.as_object().unwrap().clone());
@@ -252,9 +252,11 @@ fn a_continuation_carries_sampling_and_reduced_limits() {
 }
 
 /// The limit a continuation carries is the one the engine generated to: chat prefers
-/// `max_completion_tokens`, a chat without one runs to the end of the context (the
-/// continuation says `null`: the completions API it goes to would stop at 16), a
-/// completion without one stops at 16; integers are read as the engine reads them.
+/// `max_completion_tokens`, a completion without one stops at 16; integers are read as
+/// the engine reads them. A request without a numeric limit (a chat without one, which
+/// runs to the end of the context, or a completions `null`) is not eligible: the
+/// continuation's completions API fails a `null` (vLLM asserts a number) and the
+/// proxy does not know the model's context length to say the rest in numbers.
 #[test]
 fn the_limit_is_read_as_the_engine_reads_it() {
     let on = MigrationConfig {
@@ -274,12 +276,19 @@ fn the_limit_is_read_as_the_engine_reads_it() {
     assert_eq!(limit(Api::Chat, both), Some(20));
     let zero = serde_json::json!({"max_tokens": 30, "max_completion_tokens": 0});
     assert_eq!(limit(Api::Chat, zero), Some(30), "Python's `or`");
-    assert_eq!(limit(Api::Chat, serde_json::json!({})), None);
+    assert!(planned(Api::Chat, serde_json::json!({})).is_none());
+    for unbounded in [
+        serde_json::json!({"max_tokens": null}),
+        serde_json::json!({"max_completion_tokens": null}),
+        serde_json::json!({"max_completion_tokens": 0}),
+    ] {
+        assert!(
+            planned(Api::Chat, unbounded.clone()).is_none(),
+            "{unbounded}"
+        );
+    }
     assert_eq!(limit(Api::Completions, serde_json::json!({})), Some(16));
-    assert_eq!(
-        limit(Api::Completions, serde_json::json!({"max_tokens": null})),
-        None
-    );
+    assert!(planned(Api::Completions, serde_json::json!({"max_tokens": null})).is_none());
     assert_eq!(
         limit(Api::Chat, serde_json::json!({"max_tokens": 50.0})),
         Some(50)
@@ -289,13 +298,12 @@ fn the_limit_is_read_as_the_engine_reads_it() {
         Some(50)
     );
     assert_eq!(
-        limit(Api::Chat, serde_json::json!({"min_tokens": 2.0})),
-        None
-    );
-    assert_eq!(
-        planned(Api::Chat, serde_json::json!({"min_tokens": 2.0}))
-            .unwrap()
-            .min_tokens,
+        planned(
+            Api::Chat,
+            serde_json::json!({"min_tokens": 2.0, "max_tokens": 9})
+        )
+        .unwrap()
+        .min_tokens,
         Some(2)
     );
     // Two sequences however `n` is spelled: not migrated.
@@ -307,26 +315,17 @@ fn the_limit_is_read_as_the_engine_reads_it() {
         let two = n != serde_json::json!(true);
         let p = planned(
             Api::Chat,
-            serde_json::json!({"n": n.clone(), "temperature": 1}),
+            serde_json::json!({"n": n.clone(), "temperature": 1, "max_tokens": 9}),
         );
         assert_eq!(p.is_none(), two, "{n}");
     }
     // Booleans as the engine reads them.
     let p = planned(
         Api::Chat,
-        serde_json::json!({"return_token_ids": 1, "stream_options": {"include_usage": "yes"}}),
+        serde_json::json!({"return_token_ids": 1, "stream_options": {"include_usage": "yes"}, "max_tokens": 9}),
     )
     .unwrap();
     assert!(p.client_ids && p.usage);
-    // A chat with no limit continues to the end of the context, said as `null`.
-    let p = planned(Api::Chat, serde_json::json!({"model": "m"})).unwrap();
-    let body: serde_json::Value =
-        serde_json::from_slice(&continuation_body(&p, &[5, 6], 2, None)).unwrap();
-    assert_eq!(
-        body.get("max_tokens"),
-        Some(&serde_json::Value::Null),
-        "{body}"
-    );
 }
 
 #[test]
@@ -514,7 +513,7 @@ fn a_continuation_chunk_is_walked_and_what_it_carries_is_copied_as_written() {
     let plan = migrating_plan(
         Api::Chat,
         serde_json::json!({"messages": [], "stream": true, "return_token_ids": true,
-            "stream_options": {"include_usage": true}}),
+            "stream_options": {"include_usage": true}, "max_tokens": 64}),
     );
     let head = head_of(
         r#"{"id":"c-1","object":"chat.completion.chunk","created":1e400,"model":"m\u00e9","choices":[]}"#,
@@ -580,7 +579,7 @@ fn a_continuation_chunk_is_rewritten_as_a_parse_of_it_was() {
     );
     let chat_ids = migrating_plan(
         Api::Chat,
-        serde_json::json!({"messages": [], "stream": true, "return_token_ids": true}),
+        serde_json::json!({"messages": [], "stream": true, "return_token_ids": true, "max_tokens": 64}),
     );
     let head = head_of(r#"{"id":"x","object":"text_completion","created":7,"model":"m"}"#);
     let header =

@@ -205,5 +205,5 @@ async fn ids_that_are_not_a_prompt_are_the_clients() {
     )
     .await
     .unwrap();
-    assert_eq!(&*ok, [1, 2]);
+    assert_eq!((&*ok.0, ok.1), (&[1, 2][..], None));
 }

@@ -101,14 +101,14 @@ async fn min_tokens_hold_for_the_prefills_token_and_the_decode_owes_the_rest() {
     }
 }
 
-/// The decode's budget is the client's limit read as vLLM reads it (as a migration's
-/// continuation reads it, `migrate/plan.rs`): completions' `max_tokens`, 16 when the
-/// key is absent and the rest of the context when it is `null`; chat's
-/// `max_completion_tokens`, else `max_tokens`, none meaning the rest of the context.
-/// Both legs are completions requests, whose absent `max_tokens` would be 16: the rest
-/// of the context is asked for with `null` (the decode's prompt, one token longer,
-/// leaves one token less of it: the prefill's). A decode that computes the whole answer
-/// (no first token) carries the same budget, undiminished.
+/// The decode's budget is the client's limit read as vLLM reads it: completions'
+/// `max_tokens`, 16 when the key is absent and the rest of the context when it is
+/// `null`; chat's `max_completion_tokens`, else `max_tokens`, none meaning the rest of
+/// the context. Both legs are completions requests, which vLLM fails on a `null`: the
+/// rest of the context is asked for in numbers once the context length is known
+/// (`a_decode_without_a_client_limit_gets_the_rest_of_the_context`); here it is not
+/// (no `/tokenize` ran), and the key is left out. A decode that computes the whole
+/// answer (no first token) carries the client's budget, undiminished.
 #[tokio::test]
 async fn the_decode_gets_the_token_limit_vllm_reads() {
     let chat =
@@ -158,15 +158,17 @@ async fn the_decode_gets_the_token_limit_vllm_reads() {
             json!(5),
         ),
     ];
+    // `Value::Null`: no key at all.
+    let key = |v: Value| Some(v).filter(|v| !v.is_null());
     for (api, body, handed, whole) in cases {
         let (h, found) = completed(api, &body, Some("length")).await;
         assert_eq!(found, HandoffFound::Handed, "{body}");
         let d = json_of(&h.decode.body);
-        assert_eq!(d.get("max_tokens"), Some(&handed), "{body}: {d}");
+        assert_eq!(d.get("max_tokens").cloned(), key(handed), "{body}: {d}");
         let (h, found) = completed(api, &body, None).await;
         assert_eq!(found, HandoffFound::Missing, "{body}");
         let d = json_of(&h.decode.body);
-        assert_eq!(d.get("max_tokens"), Some(&whole), "{body}: {d}");
+        assert_eq!(d.get("max_tokens").cloned(), key(whole), "{body}: {d}");
     }
 }
 
@@ -250,4 +252,81 @@ async fn a_chat_echo_is_served_by_a_decode_alone_when_it_echoes() {
         assert!(json_of(&h.prefill.body).get("echo").is_none());
         assert!(json_of(&h.decode.body).get("echo").is_none());
     }
+}
+
+/// `body` of `api` prepared, resolved against a prefill whose `/tokenize` answers
+/// `tokenize`, then completed with a prefill's answer of one token (`first`) or of
+/// none.
+async fn through_tokenize(
+    api: Api,
+    body: &str,
+    tokenize: &'static str,
+    first: bool,
+) -> (Handoff, HandoffFound) {
+    let c = connector();
+    let mut h = c
+        .prepare(&route(Some(receiver())), &request(api, body))
+        .unwrap();
+    c.resolve(&mut h, &Tokenizer(tokenize)).await.unwrap();
+    let answer = if first {
+        r#"{"id":"cmpl-p","created":1,"model":"m","choices":[{"index":0,"text":" a","finish_reason":"length","stop_reason":null}],"usage":null,"kv_transfer_params":{"first_tok":7}}"#
+    } else {
+        r#"{"id":"cmpl-p","choices":[{"index":0,"text":" a","finish_reason":"length"}],"usage":null}"#
+    };
+    let found = c
+        .complete(&mut h, &prefill_answer(answer.to_owned()))
+        .await
+        .unwrap();
+    (h, found)
+}
+
+/// vLLM's completions route fails a `"max_tokens": null` (an assertion on every
+/// output), so the decode leg, a completions request, never carries one. A client
+/// without a limit (a chat without one, a completions `null`) gets the rest of the
+/// context: `max_model_len` from the prefill's `/tokenize` answer less the decode's
+/// prompt (the ids, and the prefill's token when it continues after it). When the
+/// prefill's token filled the context, the answer ends there. Without a
+/// `max_model_len` the key is left out (vLLM's 16); a client's limit is unchanged.
+#[tokio::test]
+async fn a_decode_without_a_client_limit_gets_the_rest_of_the_context() {
+    let chat =
+        |limits: &str| format!(r#"{{"messages":[{{"role":"user","content":"hi"}}]{limits}}}"#);
+    let eight = r#"{"count":5,"max_model_len":8,"tokens":[1,2,3,4,5]}"#;
+    let unbounded = [
+        (Api::Chat, chat("")),
+        (Api::Chat, chat(r#","max_tokens":null"#)),
+        (
+            Api::Completions,
+            r#"{"prompt":"hi","max_tokens":null}"#.to_owned(),
+        ),
+    ];
+    for (api, body) in &unbounded {
+        let (h, found) = through_tokenize(*api, body, eight, true).await;
+        assert_eq!(found, HandoffFound::Handed, "{body}");
+        let d = json_of(&h.decode.body);
+        assert_eq!(d.get("max_tokens"), Some(&json!(2)), "{body}: {d}");
+        let (h, found) = through_tokenize(*api, body, eight, false).await;
+        assert_eq!(found, HandoffFound::Missing, "{body}");
+        let d = json_of(&h.decode.body);
+        assert_eq!(d.get("max_tokens"), Some(&json!(3)), "{body}: {d}");
+    }
+    // The prefill's token filled the context: no decode leg.
+    let six = r#"{"count":5,"max_model_len":6,"tokens":[1,2,3,4,5]}"#;
+    let (h, found) = through_tokenize(Api::Chat, &chat(""), six, true).await;
+    assert_eq!(found, HandoffFound::Finished);
+    assert!(h.gate.is_none());
+    // No context length known: vLLM's completions default.
+    for unknown in [
+        r#"{"count":5,"tokens":[1,2,3,4,5]}"#,
+        r#"{"count":5,"max_model_len":0,"tokens":[1,2,3,4,5]}"#,
+    ] {
+        for first in [true, false] {
+            let (h, _) = through_tokenize(Api::Chat, &chat(""), unknown, first).await;
+            let d = json_of(&h.decode.body);
+            assert!(d.get("max_tokens").is_none(), "{unknown}: {d}");
+        }
+    }
+    // A client's limit is the budget, whatever the context.
+    let (h, _) = through_tokenize(Api::Chat, &chat(r#","max_tokens":4"#), eight, true).await;
+    assert_eq!(json_of(&h.decode.body)["max_tokens"], 3);
 }
