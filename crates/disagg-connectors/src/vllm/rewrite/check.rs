@@ -400,10 +400,19 @@ pub(crate) fn check(
     let requested = if chat {
         max_completion_tokens.or(max_tokens)
     } else if f.max_tokens.is_none() {
-        // Completions: `max_tokens: int | None = 16`, 16 when the key is absent; a
-        // `null` is the rest of the context, which the proxy does not know (`None`: no
-        // upper bound to hold `min_tokens` to).
+        // Completions: `max_tokens: int | None = 16`, 16 when the key is absent.
         Some(16)
+    } else if max_tokens.is_none() {
+        // A `null` passes vLLM's request model, but its completions handler asserts a
+        // number for every output (`completion_stream_generator`,
+        // `request_output_to_completion_response`): the decode would fail after
+        // generating (an error event, or a 500) and be blamed for it. Refused here,
+        // with the remedy.
+        return Err(InvalidParam::new(
+            "max_tokens",
+            "max_tokens must be a number on the completions API (vLLM's completions \
+             handler fails on null); leave it out for 16, or give the limit",
+        ));
     } else {
         max_tokens
     };
@@ -889,20 +898,20 @@ mod tests {
                 r#""max_tokens":"x","max_completion_tokens":5"#,
                 "max_tokens",
             ),
-            (Cmpl, r#""max_tokens":null"#, "ok"),
+            // A completions `null` passes vLLM's model but fails its handler at the
+            // first output (an assert): refused before any leg (see `check`).
+            (Cmpl, r#""max_tokens":null"#, "max_tokens"),
             (Cmpl, r#""max_tokens":0"#, "max_tokens"),
             // min_tokens: an integer, not null, within [0, max_tokens].
             (Chat, r#""min_tokens":3,"max_tokens":5"#, "ok"),
             (Chat, r#""min_tokens":-1"#, "min_tokens"),
             (Chat, r#""min_tokens":6,"max_tokens":5"#, "min_tokens"),
             (Chat, r#""min_tokens":null"#, "min_tokens"),
-            // Completions' `max_tokens` is 16 when absent; `null` is the rest of the
-            // context, which the proxy does not know: no bound to hold `min_tokens` to
-            // (read from `CompletionRequest.max_tokens: int | None = 16` and
-            // `get_max_tokens`, whose bound is then the context left).
+            // Completions' `max_tokens` is 16 when absent (read from
+            // `CompletionRequest.max_tokens: int | None = 16`); a `null` is refused.
             (Cmpl, r#""min_tokens":16"#, "ok"),
             (Cmpl, r#""min_tokens":17"#, "min_tokens"),
-            (Cmpl, r#""max_tokens":null,"min_tokens":20"#, "ok"),
+            (Cmpl, r#""max_tokens":null,"min_tokens":20"#, "max_tokens"),
             (Chat, r#""min_tokens":20"#, "ok"),
             // n: at least 1, and 1 under greedy sampling; completions' n is not nullable.
             (Chat, r#""n":"2""#, "ok"),
