@@ -422,6 +422,22 @@ impl Drop for Running {
     }
 }
 
+/// An engine unsubscribed: its statuses and index entries dropped when this drops,
+/// after its ranks' tasks were waited for, or when the wait is given up.
+struct Unsubscribed<'a> {
+    name: &'a str,
+    statuses: &'a Statuses,
+    index: &'a KvIndex,
+}
+
+impl Drop for Unsubscribed<'_> {
+    fn drop(&mut self) {
+        lock(self.statuses).retain(|(engine, _), _| engine != self.name);
+        self.index.remove_engine(self.name);
+        tracing::debug!(engine = %self.name, "kv events: unsubscribed");
+    }
+}
+
 // === impl Subscriber ===
 
 impl Subscriber {
@@ -456,14 +472,22 @@ impl Subscriber {
             .collect();
         for name in leaving {
             if let Some(mut running) = engines.remove(&name) {
-                for task in std::mem::take(&mut running.tasks) {
+                let tasks = std::mem::take(&mut running.tasks);
+                // Every rank is told to stop before any is waited for, and the engine's
+                // entries go when the waits end or are given up (a caller that drops
+                // this future leaves no rank running and nothing of the engine behind).
+                for task in &tasks {
                     task.abort();
+                }
+                let _gone = Unsubscribed {
+                    name: &name,
+                    statuses: &self.statuses,
+                    index: &self.index,
+                };
+                for task in tasks {
                     // Cancelled (or already ended): either way it writes no more.
                     let _ = task.await;
                 }
-                lock(&self.statuses).retain(|(engine, _), _| *engine != name);
-                self.index.remove_engine(&name);
-                tracing::debug!(engine = %name, "kv events: unsubscribed");
             }
         }
         for (name, endpoint) in wanted {
@@ -547,11 +571,17 @@ impl Subscriber {
     /// Stops every task (the index keeps its entries).
     pub async fn shutdown(self) {
         let running: Vec<Running> = self.engines.lock().await.drain().map(|(_, r)| r).collect();
-        for mut r in running {
-            for task in std::mem::take(&mut r.tasks) {
-                task.abort();
-                let _ = task.await;
-            }
+        let tasks: Vec<JoinHandle<()>> = running
+            .into_iter()
+            .flat_map(|mut r| std::mem::take(&mut r.tasks))
+            .collect();
+        // All told to stop before any is waited for: dropping this future mid-wait
+        // leaves none running.
+        for task in &tasks {
+            task.abort();
+        }
+        for task in tasks {
+            let _ = task.await;
         }
     }
 }
