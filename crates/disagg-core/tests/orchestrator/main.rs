@@ -538,6 +538,78 @@ impl KvConnector for NixlWithoutRelease {
     }
 }
 
+/// A gate that holds the KV-ready wait of a connector that registers one per request
+/// (LMCache's notifications); `alive` tells whether anything still holds it.
+#[derive(Debug)]
+struct HeldGate(#[allow(dead_code)] Arc<()>);
+
+#[async_trait]
+impl disagg_core::connector::KvGate for HeldGate {
+    async fn ready(&self) -> Result<(), ConnectorError> {
+        Ok(())
+    }
+}
+
+/// vLLM NIXL's plan with a gate registered at `prepare`, as LMCache registers its
+/// notification wait: `token` is held by each request's gate.
+#[derive(Debug)]
+struct NixlWithGate {
+    token: Arc<()>,
+}
+
+#[async_trait]
+impl KvConnector for NixlWithGate {
+    fn name(&self) -> &'static str {
+        "nixl-with-gate"
+    }
+
+    fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
+        let mut handoff = VllmNixl::new().prepare(route, req)?;
+        handoff.gate = Some(Arc::new(HeldGate(Arc::clone(&self.token))));
+        Ok(handoff)
+    }
+
+    async fn complete(
+        &self,
+        handoff: &mut Handoff,
+        answer: &PrefillAnswer,
+    ) -> Result<HandoffFound, ConnectorError> {
+        VllmNixl::new().complete(handoff, answer).await
+    }
+
+    fn release_leg(&self, api: Api, leg: &disagg_core::connector::Leg) -> Option<Bytes> {
+        VllmNixl::new().release_leg(api, leg)
+    }
+}
+
+/// An early release holds what it sends, not the request's gate: a per-request
+/// registration behind it (LMCache's notification wait, counted against its ceiling)
+/// goes with the client, not seconds later with the release.
+#[tokio::test(start_paused = true)]
+async fn an_early_release_does_not_hold_the_requests_gate() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer().after(ms(100)));
+    fake.on(D1, CHAT, Reply::hang());
+    let token = Arc::new(());
+    let connector = NixlWithGate {
+        token: Arc::clone(&token),
+    };
+    let orch = orchestrator(&fake, &[P1], connector, release_on);
+    // Held by the test and the connector; each request's gate adds one.
+    let idle = Arc::strong_count(&token);
+    assert!(timeout(ms(10), orch.serve(chat(&orch))).await.is_err());
+    turns().await;
+    assert_eq!(orch.stats().kv_releases_in_flight, 1);
+    assert_eq!(Arc::strong_count(&token), idle, "the release holds the gate");
+    sleep(ms(3000)).await;
+    let calls = fake.calls();
+    let [p, release] = &calls[..] else {
+        panic!("{calls:?}")
+    };
+    assert_release_leg(release, p);
+    assert_settled(&orch);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_connector_without_a_release_leg_releases_nothing() {
     let fake = Fake::new();
