@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
 use crate::error::BodyError;
+use crate::raw::string_end;
 
 mod scan;
 
@@ -503,7 +504,7 @@ fn scan_fields<const N: usize>(
         if b.get(i) != Some(&b'"') {
             return None;
         }
-        let key_end = skip_string(b, i)?;
+        let key_end = string_end(b, i)?;
         let raw_key = &b[i + 1..key_end - 1];
         // Equal bytes are the key (it has no backslash); a key spelled with escapes is
         // longer than what it reads as, so only a longer one with a backslash is read.
@@ -541,31 +542,19 @@ fn scan_fields<const N: usize>(
     }
 }
 
-/// The index just past the string starting at `b[i] == b'"'`: the next quote or
-/// backslash found by one `memchr2` search (most strings hold neither), a backslash
-/// stepping over the byte it escapes.
-fn skip_string(b: &[u8], i: usize) -> Option<usize> {
-    let mut j = i + 1;
-    loop {
-        j += memchr::memchr2(b'"', b'\\', b.get(j..)?)?;
-        if b[j] == b'"' {
-            return Some(j + 1);
-        }
-        j += 2;
-    }
-}
-
 /// The index just past the value starting at `b[i]` (its shape only; the one value
-/// returned is validated by the caller).
+/// returned is validated by the caller). `b` is not validated: both kinds of brackets
+/// are counted, where [`raw::validated_value_end`](crate::raw::validated_value_end)
+/// counts the value's own kind only.
 fn skip_value(b: &[u8], mut i: usize) -> Option<usize> {
     match *b.get(i)? {
-        b'"' => skip_string(b, i),
+        b'"' => string_end(b, i),
         b'{' | b'[' => {
             let mut depth = 0usize;
             while i < b.len() {
                 match b[i] {
                     b'"' => {
-                        i = skip_string(b, i)?;
+                        i = string_end(b, i)?;
                         continue;
                     }
                     b'{' | b'[' => depth += 1,

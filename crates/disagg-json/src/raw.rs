@@ -226,6 +226,87 @@ fn brackets(raw: &[u8], mut f: impl FnMut(u8) -> bool) {
     }
 }
 
+/// The index just past the JSON value that starts at `raw[start]`, found by its shape
+/// alone: a string to its closing quote, a list or an object to its matching bracket
+/// (the strings inside skipped, escapes stepped over), any other value to the next
+/// `,`, `]`, `}` or whitespace, or to the end of `raw`.
+///
+/// `raw` must be validated JSON (a value a parser accepted, or a text cut short within
+/// one): only the brackets of the value's own kind are counted, which finds the match
+/// only because the other kind nests evenly within a valid value. Invalid JSON (`[{]`,
+/// say) never panics but gives a meaningless index; to step over a value of unvalidated
+/// bytes, walk both kinds of brackets.
+///
+/// `None` when `start` is past the end, when `raw[start]` starts no value (a separator,
+/// whitespace), or when a string, list or object is not closed before the end of
+/// `raw`; a cut number or literal cannot be told from a whole one and ends at the end
+/// of `raw`.
+///
+/// ```
+/// use disagg_json::raw::validated_value_end;
+///
+/// let raw = br#"[{"a":"]}"},[1,[2]]] "#;
+/// assert_eq!(validated_value_end(raw, 0), Some(20));
+/// assert_eq!(validated_value_end(raw, 1), Some(11));
+/// assert_eq!(validated_value_end(raw, 12), Some(19));
+/// assert_eq!(validated_value_end(&raw[..15], 0), None);
+/// ```
+pub fn validated_value_end(raw: &[u8], start: usize) -> Option<usize> {
+    let (open, close) = match *raw.get(start)? {
+        b'"' => return string_end(raw, start),
+        b'[' => (b'[', b']'),
+        b'{' => (b'{', b'}'),
+        _ => {
+            let len = raw[start..]
+                .iter()
+                .position(|c| matches!(c, b',' | b']' | b'}') || c.is_ascii_whitespace())
+                .unwrap_or(raw.len() - start);
+            return (len > 0).then_some(start + len);
+        }
+    };
+    // Brackets of the other kind nest evenly within a valid value: only this kind's
+    // are counted, each found with the strings' quotes by one `memchr3` search. The
+    // first found is `raw[start]`, an opening one: the depth never goes below zero.
+    let (mut depth, mut j) = (0usize, start);
+    loop {
+        j += memchr::memchr3(b'"', open, close, raw.get(j..)?)?;
+        match raw[j] {
+            b'"' => {
+                j = string_end(raw, j)?;
+                continue;
+            }
+            c if c == open => depth += 1,
+            _ => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(j + 1);
+                }
+            }
+        }
+        j += 1;
+    }
+}
+
+/// The index just past the JSON string that opens at `raw[start]`: the next quote or
+/// backslash found by one `memchr2` search (most strings hold neither), a backslash
+/// stepping over the byte it escapes. Only quotes and backslashes are read, so any
+/// bytes will do (the string's content is not checked: control bytes, escapes' letters,
+/// UTF-8). `None` when `raw[start]` is not a quote or the string is not closed before
+/// the end of `raw` (a backslash as its last byte included).
+pub(crate) fn string_end(raw: &[u8], start: usize) -> Option<usize> {
+    if raw.get(start) != Some(&b'"') {
+        return None;
+    }
+    let mut j = start + 1;
+    loop {
+        j += memchr::memchr2(b'"', b'\\', raw.get(j..)?)?;
+        if raw[j] == b'"' {
+            return Some(j + 1);
+        }
+        j += 2;
+    }
+}
+
 /// What to do with one member of an object being copied ([`Object::copy`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Edit {
@@ -437,5 +518,136 @@ mod tests {
         let mut n = 0;
         elements("[1, {\"a\":[]}, \"x\"]", |_| n += 1).unwrap();
         assert_eq!(n, 3);
+    }
+
+    #[test]
+    fn a_string_ends_past_its_first_unescaped_quote() {
+        for (raw, end) in [
+            (&br#""""#[..], Some(2)),
+            // Escaped quotes and backslashes.
+            (br#""a\"b" , "c""#, Some(6)),
+            (br#""a\\"b""#, Some(5)),
+            (br#""a\\\"b""#, Some(8)),
+            (br#""\\\\""#, Some(6)),
+            // A backslash as the last byte escapes nothing: the string is not closed.
+            (br#""ab\"#, None),
+            (br#""ab\""#, None),
+            // Cut short.
+            (br#""abc"#, None),
+            (br#"""#, None),
+            // UTF-8's multibyte sequences hold no byte below 0x80: no quote, no backslash.
+            ("\"é長🦀\"".as_bytes(), Some(11)),
+            ("\"🦀\\\"長\"]".as_bytes(), Some(11)),
+            // Control bytes and invalid UTF-8 are not checked.
+            (b"\"\n\xff\"", Some(4)),
+            // Not a string.
+            (br#"a"b""#, None),
+            (b"", None),
+        ] {
+            assert_eq!(string_end(raw, 0), end, "{}", String::from_utf8_lossy(raw));
+        }
+        let raw = br#"{"k":"v\""}"#;
+        assert_eq!(string_end(raw, 1), Some(4));
+        assert_eq!(string_end(raw, 5), Some(10));
+        assert_eq!(string_end(raw, 10), None);
+        assert_eq!(string_end(raw, 12), None);
+    }
+
+    #[test]
+    fn a_validated_value_ends_at_its_matching_bracket_strings_skipped() {
+        for (raw, end) in [
+            // Brackets of both kinds inside strings, at every depth.
+            (&br#"[{"a":"]}"},"[",["]"]] ,1"#[..], Some(22)),
+            (br#"{"a":["}",{"b":"{"}],"]":"}"}]"#, Some(29)),
+            (br#"{"{":{"}":{}}}"#, Some(14)),
+            // Escaped quotes and backslashes inside them.
+            (br#"["\"]",1]"#, Some(9)),
+            (br#"["\\"]]"#, Some(6)),
+            (br#"{"\\\"}":"\"{"}}"#, Some(15)),
+            (br#""a]\"}" ]"#, Some(7)),
+            // Multibyte UTF-8.
+            ("[\"長🦀\",{\"é\":\"]\"}]]".as_bytes(), Some(22)),
+            // Other values end at a separator, whitespace or the end.
+            (b"12.5e3,", Some(6)),
+            (b"true]", Some(4)),
+            (b"-1 ", Some(2)),
+            (b"null", Some(4)),
+            // Nothing starts here.
+            (b",1", None),
+            (b" 1", None),
+            (b"]", None),
+            (b"", None),
+            // Cut short: a list, an object or a string not closed.
+            (b"[[1,2],[3", None),
+            (br#"{"a":"}"#, None),
+            (br#"["a\"#, None),
+            (br#"["a\"]"#, None),
+            (br#"{"a":[1]"#, None),
+        ] {
+            assert_eq!(
+                validated_value_end(raw, 0),
+                end,
+                "{}",
+                String::from_utf8_lossy(raw)
+            );
+        }
+        let raw = br#"{"k": [1, {"x": "]"}], "n": 2}"#;
+        assert_eq!(validated_value_end(raw, 6), Some(21));
+        assert_eq!(validated_value_end(raw, 28), Some(29));
+        assert_eq!(validated_value_end(raw, 30), None);
+        assert_eq!(validated_value_end(raw, 99), None);
+    }
+
+    /// Any JSON value, its strings drawn from brackets, quotes, backslashes, control
+    /// and multibyte characters, containers nested a few deep.
+    fn value() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            any::<f64>().prop_map(Value::from),
+            "[\\[\\]{}\",\\\\ a\n\u{1}é長🦀]{0,8}".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(4, 32, 5, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..5).prop_map(Value::from),
+                proptest::collection::btree_map("[\\[\\]{}\"\\\\a]{0,4}", inner, 0..4)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest::proptest! {
+        /// Each element of a list, compact or pretty-printed, ends where the parser
+        /// ends it; the whole list ends at its last byte, and a cut anywhere before
+        /// its last byte leaves it unclosed.
+        #[test]
+        fn a_validated_value_ends_where_the_parser_ends_it(
+            list in proptest::collection::vec(value(), 0..5),
+            pretty in proptest::prelude::any::<bool>(),
+        ) {
+            let list = Value::from(list);
+            let text = if pretty {
+                serde_json::to_string_pretty(&list)
+            } else {
+                serde_json::to_string(&list)
+            }
+            .unwrap();
+            let b = text.as_bytes();
+            let mut spans = Vec::new();
+            elements(&text, |v| {
+                let start = v.get().as_ptr() as usize - text.as_ptr() as usize;
+                spans.push((start, start + v.get().len()));
+            })
+            .unwrap();
+            for (start, end) in spans {
+                proptest::prop_assert_eq!(validated_value_end(b, start), Some(end), "{}", text);
+            }
+            proptest::prop_assert_eq!(validated_value_end(b, 0), Some(b.len()));
+            for cut in 0..b.len() {
+                proptest::prop_assert_eq!(validated_value_end(&b[..cut], 0), None, "{}", cut);
+            }
+        }
     }
 }

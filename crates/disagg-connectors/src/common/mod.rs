@@ -9,6 +9,7 @@
 use disagg_core::endpoint::{Endpoint, Facts};
 use disagg_core::error::ConnectorError;
 use disagg_core::request::Api;
+use disagg_json::raw::validated_value_end;
 
 mod room;
 pub mod sse;
@@ -114,7 +115,7 @@ pub(crate) fn several_prompts(body: &disagg_json::JsonBody) -> bool {
 /// `most`-th element, never reading it); `None` when `raw` is no such list. `raw` is a
 /// value the body's parse validated: its elements are skipped by their shape alone
 /// (strings to their closing quote, escapes stepped over; lists and objects to their
-/// matching bracket), nothing is built.
+/// matching bracket: [`validated_value_end`]), nothing is built.
 #[cfg_attr(not(any(feature = "vllm", feature = "sglang")), allow(dead_code))]
 fn batch_len(raw: &[u8], most: usize) -> Option<usize> {
     let space = |b: &[u8], mut i: usize| {
@@ -129,7 +130,7 @@ fn batch_len(raw: &[u8], most: usize) -> Option<usize> {
     }
     let mut len = 1usize;
     loop {
-        i = space(raw, skip_value(raw, i)?);
+        i = space(raw, validated_value_end(raw, i)?);
         match raw.get(i)? {
             b']' => return Some(len),
             b',' => {
@@ -141,59 +142,6 @@ fn batch_len(raw: &[u8], most: usize) -> Option<usize> {
             }
             _ => return None,
         }
-    }
-}
-
-/// The index just past the JSON value starting at `b[i]`, told by its shape: a string
-/// to its closing quote, a list or an object to its matching bracket (strings inside
-/// skipped), anything else to the next separator or space.
-#[cfg_attr(not(any(feature = "vllm", feature = "sglang")), allow(dead_code))]
-fn skip_value(b: &[u8], i: usize) -> Option<usize> {
-    let (open, close) = match *b.get(i)? {
-        b'"' => return skip_string(b, i),
-        b'[' => (b'[', b']'),
-        b'{' => (b'{', b'}'),
-        _ => {
-            let len = b[i..]
-                .iter()
-                .position(|c| matches!(c, b',' | b']' | b'}') || c.is_ascii_whitespace())
-                .unwrap_or(b.len() - i);
-            return (len > 0).then_some(i + len);
-        }
-    };
-    // Brackets of the other kind nest evenly within a valid value: only this kind's
-    // are counted.
-    let (mut depth, mut j) = (0usize, i);
-    loop {
-        j += memchr::memchr3(b'"', open, close, b.get(j..)?)?;
-        match b[j] {
-            b'"' => {
-                j = skip_string(b, j)?;
-                continue;
-            }
-            c if c == open => depth += 1,
-            _ => {
-                depth -= 1;
-                if depth == 0 {
-                    return Some(j + 1);
-                }
-            }
-        }
-        j += 1;
-    }
-}
-
-/// The index just past the JSON string starting at `b[i] == b'"'`, a backslash
-/// stepping over the byte it escapes.
-#[cfg_attr(not(any(feature = "vllm", feature = "sglang")), allow(dead_code))]
-fn skip_string(b: &[u8], i: usize) -> Option<usize> {
-    let mut j = i + 1;
-    loop {
-        j += memchr::memchr2(b'"', b'\\', b.get(j..)?)?;
-        if b[j] == b'"' {
-            return Some(j + 1);
-        }
-        j += 2;
     }
 }
 
