@@ -24,8 +24,10 @@
 //! the orchestrator's admission once it is in and holds it until the answer ends. Any
 //! other body streams to the engine as it arrives; a fanned-out body is always read
 //! whole. A direct `multipart/form-data` body (an audio transcription) names its
-//! model in its `model` field (`forward::form`). The engine's answer goes to the client
-//! frame by frame.
+//! model in its `model` field (`forward::form`). Generation sent direct that names no
+//! model goes to the one model served, and is refused 400 `model_required` in a fleet of
+//! several, as an orchestrated request is; anything else naming none may go to any
+//! engine. The engine's answer goes to the client frame by frame.
 //!
 //! What goes to the engine is the proxy's to decide, as on the legs: the client's
 //! headers lose those that describe one connection, the client's credentials and the
@@ -296,7 +298,7 @@ impl Inner {
             let source = self.orchestrator.source();
             let pick = || {
                 let set = source.snapshot();
-                self.pick(&set, model.as_deref(), direct)
+                self.pick(&set, model.as_deref(), direct, true)
                     .map_err(PdError::from)
             };
             match self
@@ -314,7 +316,7 @@ impl Inner {
                 Err(err) => return pd_error_response(&err),
             }
         } else {
-            match self.pick(&set, model.as_deref(), direct) {
+            match self.pick(&set, model.as_deref(), direct, false) {
                 Ok(ep) => ep,
                 Err(err) => return pd_error_response(&PdError::from(err)),
             }
@@ -455,18 +457,22 @@ impl Inner {
         Response::from_parts(parts, body)
     }
 
-    /// The engine for a forwarded request naming `model`: among the engines serving it
-    /// (all of them for a request naming none), the decode ones when there are any
-    /// (always for `direct`), the one with the fewest requests in flight; ties take
-    /// turns.
+    /// The engine for a forwarded request naming `model`: among the engines serving it,
+    /// the decode ones when there are any (always for `direct`), the one with the
+    /// fewest requests in flight; ties take turns. A request naming none may go to any
+    /// engine, but `generation` (sent direct) goes to the one model served, and is
+    /// refused ([`RouteError::ModelRequired`]) in a fleet of several, as an
+    /// orchestrated request is: an engine of another model would generate with it.
     fn pick(
         &self,
         set: &EndpointSet,
         model: Option<&str>,
         direct: bool,
+        generation: bool,
     ) -> Result<Arc<Endpoint>, RouteError> {
         let set = match model {
             Some(_) => set.for_model(model)?,
+            None if generation => set.for_model(None)?,
             None => set,
         };
         let pool = match (set.by_role(Role::Decode), direct) {

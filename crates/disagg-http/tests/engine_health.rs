@@ -3,8 +3,9 @@
 //! the body is in) is ejected after `failure_threshold` failures in a row, as one
 //! failing its orchestrated legs is, and one that answers generation sent direct (its
 //! 4xx included) ends a run of failures; an answer to a forwarded request does not. A
-//! client that leaves, a client's body that breaks or is still coming, a redirect (the
-//! client's path) and the request's own deadline blame no engine. Over loopback: a
+//! client that leaves, a client's body that breaks or is still coming (on every route
+//! kind: direct and fanned-out routes read it whole before any engine is asked), a
+//! redirect (the client's path) and the request's own deadline blame no engine. Over loopback: a
 //! `PdService` over a `HealthSource`, served by the crate's server, raw engines behind
 //! (a closed port for an engine that refuses connections).
 
@@ -19,7 +20,7 @@ use disagg_core::orchestrator::OrchestratorConfig;
 use disagg_core::source::EndpointSource;
 use disagg_core::{Endpoint, Orchestrator, Role, source::StaticSource};
 use disagg_http::server::Builder;
-use disagg_http::{HttpTransport, PdService};
+use disagg_http::{HttpTransport, PdService, PdServiceConfig, RouteTable};
 use disagg_resilience::health::{EndpointHealth, HealthConfig, HealthSource};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -126,7 +127,8 @@ async fn read_message(s: &mut TcpStream) -> Option<String> {
 }
 
 /// A proxy over the decode engines `decodes`, health-filtered with `failure_threshold`,
-/// with `config`: its address and its source (whose health the test reads).
+/// with `config` and the admin routes (fanned out) open: its address and its source
+/// (whose health the test reads).
 async fn proxy(
     decodes: &[&str],
     failure_threshold: u32,
@@ -142,7 +144,9 @@ async fn proxy(
         Orchestrator::builder(source.clone(), HttpTransport::default(), VllmNixl::new())
             .config(config)
             .build();
-    let service = PdService::new(orchestrator);
+    let mut service_config = PdServiceConfig::default();
+    service_config.routes = RouteTable::default().admin_routes(true);
+    let service = PdService::with_config(orchestrator, service_config);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(Builder::new().serve(listener, service, std::future::pending()));
@@ -462,4 +466,54 @@ async fn a_head_timeout_during_the_clients_upload_blames_no_engine() {
     assert!(text.starts_with("HTTP/1.1 504"), "{text}");
     let health = source.health();
     assert!(ejected(health.state(&ep)), "{:?}", health.state(&ep));
+}
+
+/// Routes whose body is read whole before any engine is asked: a direct one (SageMaker's
+/// entry point) and a fanned-out one (an admin route).
+const WHOLE_FIRST: [&str; 2] = ["/invocations", "/v1/load_lora_adapter"];
+
+/// `POST path` with a chunked JSON body: its first chunk, then, after `wait`, `rest`.
+/// The answer's status.
+async fn upload_to(addr: SocketAddr, path: &str, wait: Duration, rest: &str) -> u16 {
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         transfer-encoding: chunked\r\nconnection: close\r\n\r\n1\r\n{{\r\n"
+    );
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    tokio::time::sleep(wait).await;
+    tcp.write_all(rest.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let _ = tcp.read_to_end(&mut got).await;
+    let text = String::from_utf8_lossy(&got).into_owned();
+    text.get(9..12)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("{path}: no status: {text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_and_fanned_out_routes_blame_no_engine_for_the_clients_upload() {
+    for path in WHOLE_FIRST {
+        let (engine, mut heads) = upload_engine().await;
+        let mut config = OrchestratorConfig::default();
+        config.decode_head_timeout = Duration::from_millis(200);
+        let (addr, source) = proxy(&[&engine], 1, config).await;
+        let ep = endpoint(&source, &engine);
+        let health = source.health();
+        // A malformed chunk: the client is answered 400, no engine is asked, none is
+        // blamed (the threshold is one failure).
+        for _ in 0..3 {
+            let status = upload_to(addr, path, Duration::ZERO, "zz\r\nx\r\n").await;
+            assert_eq!(status, 400, "{path}");
+        }
+        assert!(heads.try_recv().is_err(), "{path}: an engine was asked");
+        assert_eq!(health.state(&ep), Some(EndpointHealth::Healthy), "{path}");
+        // A body still coming past the engine's head timeout: no engine is asked before
+        // it is whole, no timeout runs against one, and the request is answered.
+        let rest = "1\r\n}\r\n0\r\n\r\n";
+        let status = upload_to(addr, path, Duration::from_millis(600), rest).await;
+        assert_eq!(status, 200, "{path}");
+        assert!(heads.try_recv().is_ok(), "{path}: the engine was not asked");
+        assert_eq!(health.state(&ep), Some(EndpointHealth::Healthy), "{path}");
+    }
 }

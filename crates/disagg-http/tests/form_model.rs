@@ -4,7 +4,9 @@
 //! of that model only. The field is read from the parts' own headers (never from a
 //! file's bytes after it that look like them), the last of repeated fields wins (as the
 //! engines' form parser takes it), one past the ceiling is refused 400, and a form
-//! naming no model or an unknown one is answered as a JSON body would be. Over
+//! naming no model or an unknown one is answered as a JSON body would be (generation
+//! naming none in a fleet of several models is refused `model_required`, as an
+//! orchestrated request is). Over
 //! loopback: a `PdService` served by the crate's server, raw engines behind.
 
 #![allow(missing_docs)] // a test binary
@@ -245,4 +247,72 @@ async fn json_unknown_status(addr: SocketAddr) -> u16 {
     post(addr, "application/json", br#"{"model":"unknown"}"#)
         .await
         .0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_generation_naming_no_model_in_a_fleet_of_several_is_refused_as_orchestrated() {
+    let (whisper, mut whisper_asked) = raw_engine().await;
+    let (llama, mut llama_asked) = raw_engine().await;
+    let addr = proxy(&whisper, &llama).await;
+    // An orchestrated request naming no model: 400 `model_required`.
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    let chat = r#"{"messages":[{"role":"user","content":"hi"}]}"#;
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         connection: close\r\ncontent-length: {}\r\n\r\n{chat}",
+        chat.len()
+    );
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    tcp.read_to_end(&mut got).await.unwrap();
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 400"), "{text}");
+    assert!(text.contains(r#""code":"model_required""#), "{text}");
+    // Generation sent direct naming none, as JSON and as a form: the same answer, and
+    // neither engine asked (each would take turns with the other's model otherwise).
+    let form_body = form("xyz", &[(r#"form-data; name="language""#, b"en")]);
+    let bodies: [(&str, &[u8]); 2] = [
+        ("application/json", br#"{"language":"en"}"#),
+        ("multipart/form-data; boundary=xyz", &form_body),
+    ];
+    for (content_type, body) in bodies {
+        for _ in 0..2 {
+            let (status, answer) = post(addr, content_type, body).await;
+            assert_eq!(status, 400, "{content_type}: {answer}");
+            assert_eq!(answer["error"]["code"], "model_required", "{answer}");
+        }
+    }
+    assert!(
+        whisper_asked.try_recv().is_err(),
+        "whisper's engine was asked"
+    );
+    assert!(llama_asked.try_recv().is_err(), "llama's engine was asked");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_generation_naming_no_model_goes_to_the_one_model_served() {
+    let (whisper, mut whisper_asked) = raw_engine().await;
+    let (other, mut other_asked) = raw_engine().await;
+    // One engine serves whisper, the other declares no model (it serves any).
+    let source = StaticSource::new([
+        Endpoint::new(&whisper, Role::Decode)
+            .unwrap()
+            .with_models(["whisper"]),
+        Endpoint::new(&other, Role::Decode).unwrap(),
+    ]);
+    let orchestrator =
+        Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new()).build();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let service = PdService::new(orchestrator);
+    tokio::spawn(Builder::new().serve(listener, service, std::future::pending()));
+    let mut asked = 0;
+    for _ in 0..4 {
+        let (status, answer) = post(addr, "application/json", br#"{"language":"en"}"#).await;
+        assert_eq!(status, 200, "{answer}");
+        asked += usize::from(whisper_asked.try_recv().is_ok());
+        asked += usize::from(other_asked.try_recv().is_ok());
+    }
+    // Both serve the one model: they take turns, as for a request naming it.
+    assert_eq!(asked, 4);
 }
