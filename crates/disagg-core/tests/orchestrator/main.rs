@@ -600,7 +600,11 @@ async fn an_early_release_does_not_hold_the_requests_gate() {
     assert!(timeout(ms(10), orch.serve(chat(&orch))).await.is_err());
     turns().await;
     assert_eq!(orch.stats().kv_releases_in_flight, 1);
-    assert_eq!(Arc::strong_count(&token), idle, "the release holds the gate");
+    assert_eq!(
+        Arc::strong_count(&token),
+        idle,
+        "the release holds the gate"
+    );
     sleep(ms(3000)).await;
     let calls = fake.calls();
     let [p, release] = &calls[..] else {
