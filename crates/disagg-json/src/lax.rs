@@ -145,6 +145,113 @@ pub fn truthy(raw: Option<&[u8]>) -> bool {
     }
 }
 
+/// What vLLM's completions API generates when the body has no `max_tokens` key (the
+/// default of `CompletionRequest.max_tokens: int | None = 16`). An explicit `null` is
+/// not this default: see [`TokenLimit::CompletionsNull`]. Chat has no such default: it
+/// generates to the end of the context.
+pub const COMPLETIONS_DEFAULT_MAX_TOKENS: i64 = 16;
+
+/// The client's token limit, as [`token_limit`] reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenLimit {
+    /// No limit: the engine generates to the end of the context (a chat with neither
+    /// key, with `null`s, or with a `max_completion_tokens` of 0 and no `max_tokens`).
+    RestOfContext,
+    /// At most `n` tokens, read from `key` (`"max_completion_tokens"` or
+    /// `"max_tokens"`; `"max_tokens"` for completions' default,
+    /// [`COMPLETIONS_DEFAULT_MAX_TOKENS`]). `n` is as the body gives it: vLLM refuses
+    /// one below 1 (`max_tokens must be at least 1`), but for a completions 0 with
+    /// `echo`, which answers the prompt only; that is the caller's to decide.
+    Tokens {
+        /// The limit.
+        n: i64,
+        /// The body key it was read from.
+        key: &'static str,
+    },
+    /// A completions `"max_tokens": null`. vLLM's request model takes it, but its
+    /// completions handler asserts a number for every output, so the request fails at
+    /// its first token, after the engine ran.
+    CompletionsNull,
+}
+
+/// [`token_limit`]'s reading of a body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientLimit {
+    /// The limit, a chat's keys resolved by Python's `or` (the reading of vLLM's
+    /// renderer, and of earlier vLLMs' sampling parameters).
+    pub limit: TokenLimit,
+    /// A chat's `max_completion_tokens` was 0 (`0`, `"0"`, `0.0`, `false`), which the
+    /// `or` passed over. vLLM 0.33's handler does not pass over it (it reads
+    /// `max_completion_tokens` unless it is `null`) and refuses the request
+    /// (`max_tokens must be at least 1, got 0.`, naming `max_completion_tokens`): a
+    /// caller that refuses what vLLM refuses refuses this first.
+    pub zero_completion_tokens: bool,
+}
+
+/// A token limit pydantic's lax `int` refuses ([`token_limit`]): the engine answers 400
+/// naming `key`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnreadableLimit {
+    /// The first key whose value is refused, `"max_tokens"` before
+    /// `"max_completion_tokens"`.
+    pub key: &'static str,
+}
+
+/// The client's token limit as vLLM resolves it from the raw values of its
+/// `max_completion_tokens` and `max_tokens` members (`None`: the key is absent), each
+/// read as pydantic's lax `int` ([`int_value`]; `"5"` and `5.0` are 5).
+///
+/// - Chat (`chat`): `max_completion_tokens or max_tokens` (Python's `or`: a 0 falls
+///   through, and [`ClientLimit::zero_completion_tokens`] says so); neither, or only
+///   `null`s: [`TokenLimit::RestOfContext`].
+/// - Completions: `max_tokens`; [`COMPLETIONS_DEFAULT_MAX_TOKENS`] when the key is
+///   absent, [`TokenLimit::CompletionsNull`] when it is `null`.
+///   `max_completion_tokens` is not read (vLLM's completions request has no such
+///   field, and ignores it).
+///
+/// # Errors
+///
+/// [`UnreadableLimit`] when pydantic refuses a value read (`"abc"`, `5.5`, `[]`).
+pub fn token_limit(
+    max_completion_tokens: Option<&[u8]>,
+    max_tokens: Option<&[u8]>,
+    chat: bool,
+) -> Result<ClientLimit, UnreadableLimit> {
+    let read = |raw: Option<&[u8]>, key: &'static str| match raw {
+        None => Ok(None),
+        Some(raw) => int_value(raw.trim_ascii()).map_err(|Refused| UnreadableLimit { key }),
+    };
+    let max = read(max_tokens, "max_tokens")?;
+    let from_max = |n: i64| TokenLimit::Tokens {
+        n,
+        key: "max_tokens",
+    };
+    if !chat {
+        let limit = match (max_tokens, max) {
+            (None, _) => from_max(COMPLETIONS_DEFAULT_MAX_TOKENS),
+            (Some(_), None) => TokenLimit::CompletionsNull,
+            (Some(_), Some(n)) => from_max(n),
+        };
+        return Ok(ClientLimit {
+            limit,
+            zero_completion_tokens: false,
+        });
+    }
+    let completion = read(max_completion_tokens, "max_completion_tokens")?;
+    let limit = match (completion, max) {
+        (Some(n), _) if n != 0 => TokenLimit::Tokens {
+            n,
+            key: "max_completion_tokens",
+        },
+        (_, Some(n)) => from_max(n),
+        (_, None) => TokenLimit::RestOfContext,
+    };
+    Ok(ClientLimit {
+        limit,
+        zero_completion_tokens: completion == Some(0),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -199,6 +306,108 @@ mod tests {
             ("[1]", Err(Refused)),
         ] {
             assert_eq!(int_value(raw.as_bytes()), want, "{raw}");
+        }
+    }
+
+    /// Every spelling of each key, chat and completions: absent, `null`, 0, a string
+    /// number, a whole float, a negative, a fraction, a non-number string.
+    #[test]
+    fn token_limits_as_vllm_resolves_them() {
+        use TokenLimit::{CompletionsNull, RestOfContext, Tokens};
+        let max = |n| Tokens {
+            n,
+            key: "max_tokens",
+        };
+        let completion = |n| Tokens {
+            n,
+            key: "max_completion_tokens",
+        };
+        let read = |mct: Option<&str>, mt: Option<&str>, chat: bool| {
+            token_limit(mct.map(str::as_bytes), mt.map(str::as_bytes), chat)
+        };
+        let limit = |mct, mt, chat| read(mct, mt, chat).map(|l| l.limit);
+        let unreadable = |key| Err(UnreadableLimit { key });
+
+        // `max_tokens` alone, each spelling, chat then completions.
+        for (raw, chat, completions) in [
+            (None, Ok(RestOfContext), Ok(max(16))),
+            (Some("null"), Ok(RestOfContext), Ok(CompletionsNull)),
+            (Some("0"), Ok(max(0)), Ok(max(0))),
+            (Some("5"), Ok(max(5)), Ok(max(5))),
+            (Some(r#""5""#), Ok(max(5)), Ok(max(5))),
+            (Some(r#"" 5 ""#), Ok(max(5)), Ok(max(5))),
+            (Some("5.0"), Ok(max(5)), Ok(max(5))),
+            (Some(r#""5.0""#), Ok(max(5)), Ok(max(5))),
+            (Some("-1"), Ok(max(-1)), Ok(max(-1))),
+            (Some("true"), Ok(max(1)), Ok(max(1))),
+            (Some(" 7 "), Ok(max(7)), Ok(max(7))),
+            (
+                Some("5.5"),
+                unreadable("max_tokens"),
+                unreadable("max_tokens"),
+            ),
+            (
+                Some(r#""abc""#),
+                unreadable("max_tokens"),
+                unreadable("max_tokens"),
+            ),
+            (
+                Some(r#""""#),
+                unreadable("max_tokens"),
+                unreadable("max_tokens"),
+            ),
+            (
+                Some("[5]"),
+                unreadable("max_tokens"),
+                unreadable("max_tokens"),
+            ),
+        ] {
+            assert_eq!(limit(None, raw, true), chat, "chat {raw:?}");
+            assert_eq!(limit(None, raw, false), completions, "completions {raw:?}");
+        }
+        assert_eq!(COMPLETIONS_DEFAULT_MAX_TOKENS, 16);
+
+        // A chat's `max_completion_tokens` comes first, each spelling.
+        for (raw, want) in [
+            ("5", Ok(completion(5))),
+            (r#""5""#, Ok(completion(5))),
+            ("5.0", Ok(completion(5))),
+            ("-1", Ok(completion(-1))),
+            ("null", Ok(max(9))),
+            ("5.5", unreadable("max_completion_tokens")),
+            (r#""five""#, unreadable("max_completion_tokens")),
+        ] {
+            assert_eq!(limit(Some(raw), Some("9"), true), want, "{raw}");
+        }
+        assert_eq!(limit(Some("null"), Some("null"), true), Ok(RestOfContext));
+        assert_eq!(limit(Some("null"), None, true), Ok(RestOfContext));
+        // An unreadable `max_tokens` is named first, whatever the other key holds.
+        assert_eq!(
+            limit(Some("5"), Some(r#""x""#), true),
+            unreadable("max_tokens")
+        );
+        assert_eq!(limit(Some("x"), Some("x"), true), unreadable("max_tokens"));
+
+        // A 0 falls through (Python's `or`), and is said to.
+        for zero in ["0", r#""0""#, "0.0", "false"] {
+            let got = read(Some(zero), Some("30"), true).unwrap();
+            assert_eq!(got.limit, max(30), "{zero}");
+            assert!(got.zero_completion_tokens, "{zero}");
+            let alone = read(Some(zero), None, true).unwrap();
+            assert_eq!(alone.limit, RestOfContext, "{zero}");
+            assert!(alone.zero_completion_tokens, "{zero}");
+        }
+        for raw in [None, Some("null"), Some("5"), Some("-1")] {
+            let got = read(raw, Some("0"), true).unwrap();
+            assert!(!got.zero_completion_tokens, "{raw:?}");
+        }
+
+        // Completions read no `max_completion_tokens`, however it is spelled.
+        for raw in ["5", "0", r#""x""#] {
+            let got = read(Some(raw), None, false).unwrap();
+            assert_eq!(got.limit, max(16), "{raw}");
+            assert!(!got.zero_completion_tokens, "{raw}");
+            assert_eq!(limit(Some(raw), Some("null"), false), Ok(CompletionsNull));
         }
     }
 

@@ -37,11 +37,17 @@
 //!    The numbers are read as vLLM reads them (`"5"`, `5.0`: `disagg_json::lax`).
 //!    A client without a limit (a chat without one, a `null` one) gets the rest of the
 //!    context: the `max_model_len` of the prefill's `/tokenize` answer less the
-//!    decode's prompt (the ids and the first token). Never `null`: vLLM's completions
-//!    route asserts a number for every output, and a `null` fails the decode at its
-//!    first token. Without a known `max_model_len` (no `/tokenize` was asked, the
-//!    prompt being ids already, or its answer had none) the key is left out: vLLM's
-//!    16, the answer ending with `finish_reason: length`.
+//!    decode's prompt (the ids and the first token). When no `/tokenize` was asked for
+//!    the prompt (its ids were the client's, or a token-reading router's), `resolve`
+//!    asks the prefill's `/tokenize` for that length alone, and only for such a
+//!    client: a request with a limit costs no round trip more. Never `null`: vLLM's
+//!    completions route asserts a number for every output. Only when the prefill's
+//!    answer gives no `max_model_len` is the key left out (vLLM's 16). The length is
+//!    the prefill's: the decode is assumed to run with a context at least as long
+//!    (the same model, normally the same `--max-model-len`); a shorter one refuses
+//!    the leg (400) after the client had its first token. A `min_tokens` above what
+//!    the request may generate (its limit, or the context less the prompt) is refused
+//!    (400) before the prefill runs, as vLLM refuses it before generating any.
 //!    When the first token already ended the answer (`finish_reason: stop`,
 //!    `max_tokens: 1`, or no room left in the context), no decode leg is sent.
 //! 6. The decode's answer is turned into the client's (the plan's [`Reshape`]): the first
@@ -753,22 +759,30 @@ impl KvConnector for Lmcache {
         transport: &dyn Transport,
     ) -> Result<(), ConnectorError> {
         let ep = Arc::clone(&handoff.prefill.endpoint);
-        let Some(plan) = handoff.ext.get::<Plan>().cloned() else {
+        let Some(mut plan) = handoff.ext.get::<Plan>().cloned() else {
             return Err(ConnectorError::NotReady {
                 reason: "the plan was not prepared by this connector".into(),
             });
         };
-        let tokenize = match plan.unchecked {
-            None => plan.tokenize,
-            Some(u) => prompt::check_off_loop(u, plan.tokenize, &self.blocking).await?,
+        let tokenize = match plan.unchecked.take() {
+            None => plan.tokenize.take(),
+            Some(u) => prompt::check_off_loop(u, plan.tokenize.take(), &self.blocking).await?,
         };
         let max = self.max_prompt_tokens;
         let prompt = handoff.prefill.body.get_bytes("prompt");
-        let (tokens, max_model_len) =
+        let asked = tokenize.is_some();
+        let (tokens, mut max_model_len) =
             ids::prompt_ids(transport, &ep, tokenize, prompt, max, &self.blocking).await?;
         if tokens.is_empty() {
             return Err(ids::empty());
         }
+        // A client without a limit gets the rest of the context, whose length no
+        // `/tokenize` told when the ids were known.
+        if !asked && max_model_len.is_none() && plan.max_tokens.is_none() {
+            let model = handoff.prefill.body.get("model");
+            max_model_len = ids::context_length(transport, &ep, model, max, &self.blocking).await?;
+        }
+        limit::check_min_tokens(&plan, tokens.len(), max_model_len)?;
         handoff.prefill.body.set("prompt", &*tokens);
         handoff.decode.body.set("prompt", &*tokens);
         // Registered before the prefill leg exists: its notifications may come first.

@@ -10,7 +10,7 @@ use disagg_core::endpoint::Endpoint;
 use disagg_core::error::{ConnectorError, error_chain};
 use disagg_core::transport::Transport;
 use disagg_tokenize::EngineError;
-use disagg_tokenize::engine::{IdsError, read_ids, request_answer};
+use disagg_tokenize::engine::{IdsError, TokenizeAnswer, read_ids, request_answer};
 use disagg_tokenize::prompt::BlockingLimit;
 
 use super::refused;
@@ -41,15 +41,7 @@ pub(super) async fn prompt_ids(
 ) -> Result<(Arc<[u64]>, Option<u64>), ConnectorError> {
     match (tokenize, prompt) {
         (Some(body), _) => {
-            let uri = ep
-                .uri("/tokenize")
-                .map_err(|_| ConnectorError::NotConfigured {
-                    endpoint: ep.id().clone(),
-                    what: "address that makes a `/tokenize` URI",
-                })?;
-            let answer = request_answer(transport, uri, body, max, blocking)
-                .await
-                .map_err(|e| tokenize_error(ep, e, max))?;
+            let answer = ask(transport, ep, body, max, blocking).await?;
             // Widened once counted: at most `max` of them.
             let ids = answer.ids.into_iter().map(u64::from).collect();
             Ok((ids, answer.max_model_len))
@@ -65,6 +57,49 @@ pub(super) async fn prompt_ids(
             }),
         (None, None) => Err(refused("a request without a prompt")),
     }
+}
+
+/// The prefill engine's context length (its `/tokenize` answer's `max_model_len`, when a
+/// positive integer), for a prompt whose ids were known without a `/tokenize`: asked
+/// with the client's `model` (unless `null`) and a prompt of one character, since only
+/// the answer's `max_model_len` is read. Asked afresh each time (no state: an engine
+/// restarted with another `--max-model-len` behind the same address is read anew),
+/// and only for a client without a token limit, whose decode gets the rest of the
+/// context.
+///
+/// # Errors
+///
+/// As [`prompt_ids`]' `/tokenize`: a failure of the engine's is
+/// [`ConnectorError::Engine`], naming the prefill.
+pub(super) async fn context_length(
+    transport: &dyn Transport,
+    ep: &Arc<Endpoint>,
+    model: Option<&[u8]>,
+    max: usize,
+    blocking: &BlockingLimit,
+) -> Result<Option<u64>, ConnectorError> {
+    let body = super::completion_tokenize(model.filter(|m| *m != b"null"), br#"".""#);
+    let answer = ask(transport, ep, body, max, blocking).await?;
+    Ok(answer.max_model_len)
+}
+
+/// The prefill's `/tokenize` answer to `body`, of at most `max` ids.
+async fn ask(
+    transport: &dyn Transport,
+    ep: &Arc<Endpoint>,
+    body: Bytes,
+    max: usize,
+    blocking: &BlockingLimit,
+) -> Result<TokenizeAnswer, ConnectorError> {
+    let uri = ep
+        .uri("/tokenize")
+        .map_err(|_| ConnectorError::NotConfigured {
+            endpoint: ep.id().clone(),
+            what: "address that makes a `/tokenize` URI",
+        })?;
+    request_answer(transport, uri, body, max, blocking)
+        .await
+        .map_err(|e| tokenize_error(ep, e, max))
 }
 
 /// The request's failure when the prefill's `/tokenize` on `ep` gave no ids: an answer

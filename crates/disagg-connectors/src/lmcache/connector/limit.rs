@@ -2,12 +2,11 @@
 //! context.
 
 use disagg_json::JsonBody;
+use disagg_json::lax::{self, TokenLimit};
 
-use super::Plan;
+use disagg_core::error::ConnectorError;
 
-/// vLLM's `max_tokens` of a completions request without the key (an explicit `null`
-/// fails the request: its handler asserts a number).
-const COMPLETIONS_MAX_TOKENS: u64 = 16;
+use super::{Plan, refused};
 
 /// `key` read as vLLM reads it, pydantic's lax `int` (`"5"`, `5.0`): `None` when absent,
 /// `null`, below 0 or no integer (the check refused those where vLLM would).
@@ -16,21 +15,22 @@ pub(super) fn int_field(body: &JsonBody, key: &str) -> Option<u64> {
     u64::try_from(n).ok()
 }
 
-/// The client's token limit as vLLM reads it, by the rules a migration's continuation
-/// reads it with (`disagg_core`'s `migrate/plan.rs`): chat's `max_completion_tokens`
-/// (a 0 falling through, which the check refused already), else `max_tokens`;
-/// completions' `max_tokens`, 16 when the key is absent. `None`: the rest of the
-/// context (a chat without a limit, a `null` one; vLLM's completions route would fail
-/// a `null`, the connector asks for the rest of the context in numbers).
+/// The client's token limit as vLLM reads it ([`disagg_json::lax::token_limit`], the
+/// reading a migration's continuation and the check share): chat's
+/// `max_completion_tokens`, else `max_tokens`; completions' `max_tokens`, 16 when the
+/// key is absent. `None`: the rest of the context (a chat without a limit, a `null`
+/// one; vLLM's completions route would fail a `null`, the connector asks for the rest
+/// of the context in numbers), and any value the check refused already (unreadable,
+/// below 0).
 pub(super) fn token_limit(body: &JsonBody, chat: bool) -> Option<u64> {
-    if chat {
-        int_field(body, "max_completion_tokens")
-            .filter(|&m| m != 0)
-            .or_else(|| int_field(body, "max_tokens"))
-    } else if body.get("max_tokens").is_none() {
-        Some(COMPLETIONS_MAX_TOKENS)
-    } else {
-        int_field(body, "max_tokens")
+    let read = lax::token_limit(
+        body.get("max_completion_tokens"),
+        body.get("max_tokens"),
+        chat,
+    );
+    match read.ok()?.limit {
+        TokenLimit::Tokens { n, .. } => u64::try_from(n).ok(),
+        TokenLimit::RestOfContext | TokenLimit::CompletionsNull => None,
     }
 }
 
@@ -42,4 +42,37 @@ pub(super) fn rest_of_context(plan: &Plan, prompt: usize) -> Option<u64> {
     }
     let prompt = u64::try_from(prompt).unwrap_or(u64::MAX);
     plan.max_model_len.map(|m| m.saturating_sub(prompt))
+}
+
+/// The refusal (400) of a `min_tokens` above the tokens the request may generate, as
+/// vLLM refuses it before generating any (`SamplingParams`: `min_tokens` at most the
+/// resolved `max_tokens`, which is at most the context less the prompt): the context of
+/// `max_model_len` tokens (when known) less a prompt of `prompt` ids, and the client's
+/// limit. Checked before the prefill runs: past it, the decode leg (`min_tokens - 1`
+/// above its `max_tokens`) would be refused after the client had its first token. A
+/// prompt that fills the context is left to the prefill, which refuses it for its
+/// length.
+pub(super) fn check_min_tokens(
+    plan: &Plan,
+    prompt: usize,
+    max_model_len: Option<u64>,
+) -> Result<(), ConnectorError> {
+    let Some(min) = plan.min_tokens else {
+        return Ok(());
+    };
+    let prompt = u64::try_from(prompt).unwrap_or(u64::MAX);
+    if let Some(context) = max_model_len.filter(|&m| m > prompt)
+        && min > context - prompt
+    {
+        return Err(refused(format!(
+            "a `min_tokens` of {min} above what its context leaves (a context of {context} tokens leaves {} after a prompt of {prompt})",
+            context - prompt
+        )));
+    }
+    if let Some(limit) = plan.max_tokens.filter(|&m| min > m) {
+        return Err(refused(format!(
+            "a `min_tokens` of {min} above its token limit ({limit})"
+        )));
+    }
+    Ok(())
 }

@@ -37,7 +37,7 @@ use disagg_core::policy::Decision;
 use disagg_core::request::{Api, PdRequest};
 use disagg_json::InvalidParam;
 use disagg_json::JsonBody;
-use disagg_json::lax::{bool_value, int_value, truthy};
+use disagg_json::lax::{TokenLimit, bool_value, int_value, token_limit, truthy};
 use disagg_json::raw as json;
 
 /// Engine settings the checks depend on, as the vLLM servers behind the proxy run.
@@ -354,12 +354,8 @@ pub(crate) fn check(
     // Parse stage, pydantic's lax field types.
     opt_bool("stream", f.stream)?;
     check_stream_options(f.stream_options)?;
-    let max_tokens = opt_int("max_tokens", f.max_tokens)?;
-    let max_completion_tokens = if chat {
-        opt_int("max_completion_tokens", f.max_completion_tokens)?
-    } else {
-        None
-    };
+    let limit = token_limit(f.max_completion_tokens, f.max_tokens, chat)
+        .map_err(|e| type_error(e.key, "integer"))?;
     let min_tokens = int_not_null("min_tokens", f.min_tokens)?.unwrap_or(0);
     let n = if chat {
         opt_int("n", f.n)?
@@ -396,25 +392,26 @@ pub(crate) fn check(
     let prompt_logprobs = opt_int("prompt_logprobs", f.prompt_logprobs)?;
     let temperature = opt_float("temperature", f.temperature)?;
 
-    // Max tokens, as the handler resolves them.
-    let requested = if chat {
-        max_completion_tokens.or(max_tokens)
-    } else if f.max_tokens.is_none() {
-        // Completions: `max_tokens: int | None = 16`, 16 when the key is absent.
-        Some(16)
-    } else if max_tokens.is_none() {
-        // A `null` passes vLLM's request model, but its completions handler asserts a
-        // number for every output (`completion_stream_generator`,
-        // `request_output_to_completion_response`): the decode would fail after
-        // generating (an error event, or a 500) and be blamed for it. Refused here,
-        // with the remedy.
-        return Err(InvalidParam::new(
-            "max_tokens",
-            "max_tokens must be a number on the completions API (vLLM's completions \
-             handler fails on null); leave it out for 16, or give the limit",
-        ));
-    } else {
-        max_tokens
+    // Max tokens, as the handler resolves them (`lax::token_limit`): chat's
+    // `max_completion_tokens` unless `null` (a 0 there is refused below, naming it),
+    // else `max_tokens`; completions' `max_tokens: int | None = 16`, 16 when the key is
+    // absent. The key a refusal names is the one the limit was read from.
+    let (requested, param) = match limit.limit {
+        _ if limit.zero_completion_tokens => (Some(0), "max_completion_tokens"),
+        TokenLimit::RestOfContext => (None, "max_tokens"),
+        TokenLimit::Tokens { n, key } => (Some(n), key),
+        TokenLimit::CompletionsNull => {
+            // A `null` passes vLLM's request model, but its completions handler asserts
+            // a number for every output (`completion_stream_generator`,
+            // `request_output_to_completion_response`): the decode would fail after
+            // generating (an error event, or a 500) and be blamed for it. Refused here,
+            // with the remedy.
+            return Err(InvalidParam::new(
+                "max_tokens",
+                "max_tokens must be a number on the completions API (vLLM's completions \
+                 handler fails on null); leave it out for 16, or give the limit",
+            ));
+        }
     };
     if !chat && echo && requested == Some(0) {
         return Ok(Decision::Direct {
@@ -426,11 +423,6 @@ pub(crate) fn check(
     if let Some(m) = requested
         && m < 1
     {
-        let param = if max_completion_tokens.is_some() {
-            "max_completion_tokens"
-        } else {
-            "max_tokens"
-        };
         return Err(InvalidParam::new(
             param,
             format!("max_tokens must be at least 1, got {m}."),

@@ -100,12 +100,6 @@ fn flag(raw: Option<&[u8]>) -> bool {
     raw.is_some_and(|v| lax::bool_value(v.trim_ascii()) == Ok(Some(true)))
 }
 
-/// What vLLM's completions API generates when the body names no `max_tokens` (the
-/// OpenAI default its `CompletionRequest` declares). Chat has none: it generates to the
-/// end of the context. An explicit `null` is no default: vLLM's completions handler
-/// asserts a number for every output, and fails the request at its first.
-pub(super) const COMPLETIONS_DEFAULT_MAX_TOKENS: u64 = 16;
-
 /// Whether `req` may be migrated under `config`, decided from its body alone: a
 /// streamed chat or completion with one sequence, a numeric token limit, and nothing a
 /// token prompt cannot carry ([`REFUSED`]; a `seed` only with
@@ -181,26 +175,19 @@ pub(crate) fn plan(config: &MigrationConfig, req: &PdRequest) -> Option<Plan> {
         _ => false,
     };
     // The limit the engine generates to, which the continuation must carry less what
-    // was generated. Chat: `max_completion_tokens or max_tokens`, as vLLM resolves them
-    // (Python's `or`: a 0 falls through), none meaning the rest of the context.
-    // Completions: `max_tokens`, 16 when absent. Without a number (a chat without a
-    // limit, a completions `null`): not eligible (see above).
-    let (Ok(max_completion), Ok(max), Ok(min)) = (
-        int(b.get("max_completion_tokens")),
-        int(b.get("max_tokens")),
-        int(b.get("min_tokens")),
-    ) else {
+    // was generated, as vLLM resolves it (`lax::token_limit`: chat's
+    // `max_completion_tokens or max_tokens`, completions' `max_tokens`, 16 when
+    // absent). Without a number (a chat without a limit, a completions `null`): not
+    // eligible (see above).
+    let limit = lax::token_limit(b.get("max_completion_tokens"), b.get("max_tokens"), chat);
+    let (Ok(limit), Ok(min)) = (limit, int(b.get("min_tokens"))) else {
         return None;
     };
-    let max_tokens = if chat {
-        max_completion.filter(|&m| m != 0).or(max)
-    } else if b.get("max_tokens").is_none() {
-        Some(COMPLETIONS_DEFAULT_MAX_TOKENS as i64)
-    } else {
-        max
+    let lax::TokenLimit::Tokens { n, .. } = limit.limit else {
+        return None;
     };
     // A negative limit fails the request at the engine; nothing to plan for.
-    let max_tokens = Some(u64::try_from(max_tokens?).ok()?);
+    let max_tokens = Some(u64::try_from(n).ok()?);
     Some(Plan {
         chat,
         generate: None,

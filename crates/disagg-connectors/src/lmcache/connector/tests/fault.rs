@@ -32,7 +32,7 @@ async fn resolve_err(req: &PdRequest, engine: &dyn Transport) -> ConnectorError 
 
 /// The client's answer for `err`, a prefill-side connector error, as the HTTP layer
 /// renders it: its status, and OpenAI's error body.
-fn answered(err: ConnectorError) -> (u16, Value) {
+pub(super) fn answered(err: ConnectorError) -> (u16, Value) {
     let pd = PdError::connector(Side::Prefill, err);
     let facts = pd.http();
     let body = disagg_json::openai_error_body(
@@ -206,4 +206,26 @@ async fn ids_that_are_not_a_prompt_are_the_clients() {
     .await
     .unwrap();
     assert_eq!((&*ok.0, ok.1), (&[1, 2][..], None));
+}
+
+/// The `/tokenize` that asks a prefill its context length (a client without a limit
+/// whose ids were known) fails as any `/tokenize` of the prefill's does: an engine's
+/// failure names the prefill (502).
+#[tokio::test]
+async fn a_failed_context_length_call_names_the_prefill() {
+    let mut routed = request(
+        Api::Chat,
+        r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+    );
+    routed.set_tokens(Some(Arc::from(vec![5_u32, 6])));
+    let err = resolve_err(
+        &routed,
+        &Answers(http::StatusCode::INTERNAL_SERVER_ERROR, "boom"),
+    )
+    .await;
+    assert!(
+        matches!(&err, ConnectorError::Engine { endpoint, what: "/tokenize", .. } if endpoint.as_str() == "http://p:7100"),
+        "{err:?}"
+    );
+    assert_eq!(answered(err).0, 502);
 }

@@ -107,8 +107,9 @@ async fn min_tokens_hold_for_the_prefills_token_and_the_decode_owes_the_rest() {
 /// the context. Both legs are completions requests, which vLLM fails on a `null`: the
 /// rest of the context is asked for in numbers once the context length is known
 /// (`a_decode_without_a_client_limit_gets_the_rest_of_the_context`); here it is not
-/// (no `/tokenize` ran), and the key is left out. A decode that computes the whole
-/// answer (no first token) carries the client's budget, undiminished.
+/// (`resolve`, which learns it, did not run), and the key is left out. A decode that
+/// computes the whole answer (no first token) carries the client's budget,
+/// undiminished.
 #[tokio::test]
 async fn the_decode_gets_the_token_limit_vllm_reads() {
     let chat =
@@ -285,8 +286,9 @@ async fn through_tokenize(
 /// without a limit (a chat without one, a completions `null`) gets the rest of the
 /// context: `max_model_len` from the prefill's `/tokenize` answer less the decode's
 /// prompt (the ids, and the prefill's token when it continues after it). When the
-/// prefill's token filled the context, the answer ends there. Without a
-/// `max_model_len` the key is left out (vLLM's 16); a client's limit is unchanged.
+/// prefill's token filled the context, the answer ends there. When the prefill's
+/// answer gives no `max_model_len` the key is left out (vLLM's 16); a client's limit
+/// is unchanged.
 #[tokio::test]
 async fn a_decode_without_a_client_limit_gets_the_rest_of_the_context() {
     let chat =
@@ -329,4 +331,176 @@ async fn a_decode_without_a_client_limit_gets_the_rest_of_the_context() {
     // A client's limit is the budget, whatever the context.
     let (h, _) = through_tokenize(Api::Chat, &chat(r#","max_tokens":4"#), eight, true).await;
     assert_eq!(json_of(&h.decode.body)["max_tokens"], 3);
+}
+
+/// Answers every request with `answer`, as a prefill's `/tokenize` would, keeping the
+/// path and body of each.
+struct Asked {
+    answer: &'static str,
+    asked: std::sync::Mutex<Vec<(String, Bytes)>>,
+}
+
+impl Asked {
+    fn new(answer: &'static str) -> Self {
+        Asked {
+            answer,
+            asked: std::sync::Mutex::default(),
+        }
+    }
+
+    fn asked(&self) -> Vec<(String, Bytes)> {
+        self.asked.lock().map(|a| a.clone()).unwrap_or_default()
+    }
+}
+
+impl Transport for Asked {
+    fn send(&self, req: http::Request<Bytes>) -> disagg_core::transport::ResponseFuture {
+        if let Ok(mut asked) = self.asked.lock() {
+            asked.push((req.uri().path().to_owned(), req.body().clone()));
+        }
+        let body = http_body_util::Full::new(Bytes::from_static(self.answer.as_bytes()))
+            .map_err(|never| match never {})
+            .boxed();
+        Box::pin(
+            async move { Ok::<_, disagg_core::error::TransportError>(http::Response::new(body)) },
+        )
+    }
+}
+
+/// A prefill's answer of one token that leaves room for more (`first`), or of none.
+fn first_token(first: bool) -> PrefillAnswer {
+    prefill_answer(if first {
+        r#"{"id":"cmpl-p","created":1,"model":"m","choices":[{"index":0,"text":" a","finish_reason":"length","stop_reason":null}],"usage":null,"kv_transfer_params":{"first_tok":7}}"#.to_owned()
+    } else {
+        r#"{"id":"cmpl-p","choices":[{"index":0,"text":" a","finish_reason":"length"}],"usage":null}"#.to_owned()
+    })
+}
+
+/// A client without a limit gets the rest of the context even when no `/tokenize` was
+/// asked for its prompt (ids a token-reading router made, or the client's own): the
+/// context length is asked of the prefill's `/tokenize` (any text; only its
+/// `max_model_len` is read). A request with a limit asks nothing more: its limit is the
+/// budget.
+#[tokio::test]
+async fn a_decode_without_a_limit_gets_the_rest_of_the_context_when_the_ids_are_known() {
+    let c = connector();
+    let routed = |body: &str| {
+        let mut req = request(Api::Chat, body);
+        req.set_tokens(Some(Arc::from(vec![5_u32, 6])));
+        req
+    };
+    let chat = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+    let unbounded = [
+        routed(chat),
+        request(
+            Api::Completions,
+            r#"{"model":"m","prompt":[5,6],"max_tokens":null}"#,
+        ),
+    ];
+    // A context of 8: 8 - 3 after the ids and the prefill's token, 8 - 2 without it.
+    let eight = r#"{"count":1,"max_model_len":8,"tokens":[9]}"#;
+    for req in &unbounded {
+        for (first, left) in [(true, 5), (false, 6)] {
+            let engine = Asked::new(eight);
+            let mut h = c.prepare(&route(Some(receiver())), req).unwrap();
+            c.resolve(&mut h, &engine).await.unwrap();
+            assert_eq!(
+                engine.asked(),
+                [(
+                    "/tokenize".to_owned(),
+                    Bytes::from_static(br#"{"model":"m","prompt":"."}"#)
+                )]
+            );
+            c.complete(&mut h, &first_token(first)).await.unwrap();
+            let d = json_of(&h.decode.body);
+            assert_eq!(
+                d["prompt"].as_array().map(Vec::len),
+                Some(2 + usize::from(first))
+            );
+            assert_eq!(d.get("max_tokens"), Some(&json!(left)), "{d}");
+        }
+    }
+    // With a limit, nothing is asked.
+    let engine = Asked::new(eight);
+    let limited =
+        routed(r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":4}"#);
+    let mut h = c.prepare(&route(Some(receiver())), &limited).unwrap();
+    c.resolve(&mut h, &engine).await.unwrap();
+    assert!(engine.asked().is_empty(), "{:?}", engine.asked());
+    c.complete(&mut h, &first_token(true)).await.unwrap();
+    assert_eq!(json_of(&h.decode.body)["max_tokens"], 3);
+    // A text prompt's own `/tokenize` tells the context: asked once.
+    let engine = Asked::new(r#"{"count":2,"max_model_len":8,"tokens":[5,6]}"#);
+    let text = request(Api::Chat, chat);
+    let mut h = c.prepare(&route(Some(receiver())), &text).unwrap();
+    c.resolve(&mut h, &engine).await.unwrap();
+    assert_eq!(engine.asked().len(), 1);
+    c.complete(&mut h, &first_token(true)).await.unwrap();
+    assert_eq!(json_of(&h.decode.body)["max_tokens"], 5);
+}
+
+/// vLLM refuses a `min_tokens` above the tokens a request may generate (its limit, or
+/// the context less the prompt) before generating any: so does the connector, before
+/// the prefill runs, with a 400 in OpenAI's format naming no engine. Without it the
+/// decode leg (`min_tokens - 1` above its `max_tokens`) would be refused after the
+/// client had its first token. At the room left, the request is carried.
+#[tokio::test]
+async fn a_min_tokens_above_the_room_left_is_refused_before_the_prefill() {
+    let c = connector();
+    // A context of 8 and a prompt of 5: 3 tokens for the answer.
+    let five = r#"{"count":5,"max_model_len":8,"tokens":[1,2,3,4,5]}"#;
+    let chat = |extra: &str| {
+        format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}]{extra}}}"#)
+    };
+    for extra in [
+        r#","min_tokens":4"#,
+        r#","min_tokens":"4","max_tokens":null"#,
+        r#","min_tokens":4,"max_completion_tokens":10"#,
+    ] {
+        let mut h = c
+            .prepare(&route(Some(receiver())), &request(Api::Chat, &chat(extra)))
+            .unwrap();
+        let err = c.resolve(&mut h, &Tokenizer(five)).await.unwrap_err();
+        assert!(
+            matches!(err, ConnectorError::Unsupported { .. }),
+            "{extra}: {err:?}"
+        );
+        assert!(h.gate.is_none(), "{extra}");
+        let (code, body) = super::fault::answered(err);
+        assert_eq!(code, 400, "{body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("`min_tokens` of 4") && message.contains("leaves 3"),
+            "{message}"
+        );
+    }
+    // Ids a router made, the context learned: the same.
+    let mut routed = request(Api::Chat, &chat(r#","min_tokens":7"#));
+    routed.set_tokens(Some(Arc::from(vec![5_u32, 6])));
+    let mut h = c.prepare(&route(Some(receiver())), &routed).unwrap();
+    let err = c
+        .resolve(
+            &mut h,
+            &Asked::new(r#"{"count":1,"max_model_len":8,"tokens":[9]}"#),
+        )
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("leaves 6"), "{err}");
+    // At the room left: the decode owes one token less, within one less.
+    for (first, min, max) in [(true, 2, 2), (false, 3, 3)] {
+        let mut h = c
+            .prepare(
+                &route(Some(receiver())),
+                &request(Api::Chat, &chat(r#","min_tokens":3"#)),
+            )
+            .unwrap();
+        c.resolve(&mut h, &Tokenizer(five)).await.unwrap();
+        c.complete(&mut h, &first_token(first)).await.unwrap();
+        let d = json_of(&h.decode.body);
+        assert_eq!(
+            (&d["min_tokens"], &d["max_tokens"]),
+            (&json!(min), &json!(max))
+        );
+    }
 }
