@@ -423,7 +423,10 @@ impl Drop for Running {
 }
 
 /// An engine unsubscribed: its statuses and index entries dropped when this drops,
-/// after its ranks' tasks were waited for, or when the wait is given up.
+/// after its ranks' tasks were waited for, or when the wait is given up. In that case
+/// a rank task that was running on another worker when it was aborted may still apply
+/// the batch in hand after the entries went: entries of an engine no longer among the
+/// candidates, which no routing reads, and which the index's ceilings bound.
 struct Unsubscribed<'a> {
     name: &'a str,
     statuses: &'a Statuses,
