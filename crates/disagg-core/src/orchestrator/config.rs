@@ -64,7 +64,9 @@ pub enum KvRelease {
     /// Each release is a short background task (counted in
     /// [`OrchestratorStats::kv_releases_in_flight`](super::OrchestratorStats::kv_releases_in_flight)), ended by `grace` + 2 × `wait` at the
     /// latest (the prefill's answer, the connector reading it, the release leg's
-    /// head); a release that finds nothing to release sends nothing. It holds the
+    /// head, which for a plan with a [gate](crate::connector::Handoff::gate) waits for
+    /// the gate first, as LMCache's KV is pushed); a release that finds nothing to
+    /// release, or whose gate does not open, sends nothing. It holds the
     /// request's legs meanwhile, and with them the client's body they are cut from. A decode that
     /// already received the leg may see it twice (the second pull fails harmlessly),
     /// which is why this is opt-in.

@@ -252,7 +252,13 @@ impl Release {
 
     /// Send the connector's release leg for `leg` ([`KvConnector::release_leg`]), and
     /// drop it at its response head or after `wait`.
-    async fn send(self, leg: Leg) {
+    ///
+    /// A plan with a gate (LMCache: the KV is pushed to the decode, and only its
+    /// notifications say it arrived) releases once the gate opens, within the same
+    /// `wait`: sent before, the decode would compute the whole prompt for a client who
+    /// left and leave the pushed KV unused. The gate (a per-request registration, such
+    /// as LMCache's notification wait) goes as soon as it has answered.
+    async fn send(mut self, leg: Leg) {
         // The connector says what takes the KV (vLLM: the leg as a one-token prefill);
         // one that has no such leg releases nothing.
         let Some(body) = self.connector.release_leg(self.api, &leg) else {
@@ -261,12 +267,28 @@ impl Release {
         let Ok(req) = http_request(self.api, &leg, body, std::iter::empty()) else {
             return;
         };
-        bump(&self.counters.kv_releases);
-        tracing::debug!(
-            decode = %leg.endpoint.id(),
-            "releasing the KV of a request that ended before its decode"
-        );
-        let _ = tokio::time::timeout(self.wait, self.transport.send(req)).await;
+        let gate = self.handoff.gate.take();
+        let (counters, transport) = (self.counters, self.transport);
+        let release = async move {
+            if let Some(gate) = gate {
+                let ready = gate.ready().await;
+                drop(gate);
+                if ready.is_err() {
+                    tracing::debug!(
+                        decode = %leg.endpoint.id(),
+                        "early KV release not sent: the KV never reached the decode"
+                    );
+                    return;
+                }
+            }
+            bump(&counters.kv_releases);
+            tracing::debug!(
+                decode = %leg.endpoint.id(),
+                "releasing the KV of a request that ended before its decode"
+            );
+            let _ = transport.send(req).await;
+        };
+        let _ = tokio::time::timeout(self.wait, release).await;
     }
 }
 

@@ -169,13 +169,7 @@ impl Inner {
                 received: req.received_len(),
                 grace,
                 wait,
-                // Without the gate: a release never waits on it, and a per-request
-                // registration behind one (LMCache's notification wait, counted
-                // against its ceiling) must go with the client, not with the release.
-                handoff: Handoff {
-                    gate: None,
-                    ..handoff.clone()
-                },
+                handoff: handoff.clone(),
                 api: req.api(),
                 connector: Arc::clone(&self.connector),
                 transport: Arc::clone(&self.transport),

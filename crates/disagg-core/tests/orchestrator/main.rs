@@ -538,22 +538,33 @@ impl KvConnector for NixlWithoutRelease {
     }
 }
 
-/// A gate that holds the KV-ready wait of a connector that registers one per request
-/// (LMCache's notifications); `alive` tells whether anything still holds it.
+/// A gate that opens at `open` (never, when `None`), as LMCache's opens when the KV's
+/// notifications came; it holds a clone of the connector's token while it lives.
 #[derive(Debug)]
-struct HeldGate(#[allow(dead_code)] Arc<()>);
+struct TimedGate {
+    open: Option<Instant>,
+    _token: Arc<()>,
+}
 
 #[async_trait]
-impl disagg_core::connector::KvGate for HeldGate {
+impl disagg_core::connector::KvGate for TimedGate {
     async fn ready(&self) -> Result<(), ConnectorError> {
-        Ok(())
+        match self.open {
+            Some(at) => {
+                tokio::time::sleep_until(at).await;
+                Ok(())
+            }
+            None => std::future::pending().await,
+        }
     }
 }
 
 /// vLLM NIXL's plan with a gate registered at `prepare`, as LMCache registers its
-/// notification wait: `token` is held by each request's gate.
+/// notification wait: it opens `open` after the request came (never, when `None`), and
+/// holds `token` while it lives.
 #[derive(Debug)]
 struct NixlWithGate {
+    open: Option<Duration>,
     token: Arc<()>,
 }
 
@@ -565,7 +576,10 @@ impl KvConnector for NixlWithGate {
 
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
         let mut handoff = VllmNixl::new().prepare(route, req)?;
-        handoff.gate = Some(Arc::new(HeldGate(Arc::clone(&self.token))));
+        handoff.gate = Some(Arc::new(TimedGate {
+            open: self.open.map(|d| Instant::now() + d),
+            _token: Arc::clone(&self.token),
+        }));
         Ok(handoff)
     }
 
@@ -582,35 +596,67 @@ impl KvConnector for NixlWithGate {
     }
 }
 
-/// An early release holds what it sends, not the request's gate: a per-request
-/// registration behind it (LMCache's notification wait, counted against its ceiling)
-/// goes with the client, not seconds later with the release.
+/// A plan with a gate (LMCache's: the KV is pushed, and only its notifications say it
+/// reached the decode) is released once the gate opens, not at the prefill's answer
+/// (the decode would compute the prompt and leave the pushed KV unused), and the gate
+/// (a per-request registration counted against its ceiling) goes as it opens.
 #[tokio::test(start_paused = true)]
-async fn an_early_release_does_not_hold_the_requests_gate() {
+async fn an_early_release_of_a_gated_plan_waits_for_the_gate_then_lets_it_go() {
     let fake = Fake::new();
     fake.on(P1, CHAT, prefill_answer().after(ms(100)));
     fake.on(D1, CHAT, Reply::hang());
     let token = Arc::new(());
     let connector = NixlWithGate {
+        open: Some(ms(400)),
         token: Arc::clone(&token),
     };
     let orch = orchestrator(&fake, &[P1], connector, release_on);
     // Held by the test and the connector; each request's gate adds one.
     let idle = Arc::strong_count(&token);
+    let t0 = Instant::now();
     assert!(timeout(ms(10), orch.serve(chat(&orch))).await.is_err());
-    turns().await;
-    assert_eq!(orch.stats().kv_releases_in_flight, 1);
-    assert_eq!(
-        Arc::strong_count(&token),
-        idle,
-        "the release holds the gate"
-    );
-    sleep(ms(3000)).await;
+    sleep(ms(200)).await;
+    // The prefill answered at 100 ms; the gate is still shut: nothing sent yet.
+    assert_eq!(fake.calls().len(), 1, "{:?}", fake.calls());
+    assert_eq!(Arc::strong_count(&token), idle + 1);
+    sleep(ms(300)).await;
     let calls = fake.calls();
     let [p, release] = &calls[..] else {
         panic!("{calls:?}")
     };
+    assert_eq!(release.at, t0 + ms(400), "sent as the gate opened");
     assert_release_leg(release, p);
+    assert_eq!(
+        Arc::strong_count(&token),
+        idle,
+        "the gate outlived its answer"
+    );
+    sleep(ms(3000)).await;
+    assert_eq!(orch.stats().kv_releases, 1);
+    assert_settled(&orch);
+}
+
+/// A gate that never opens (the KV never reached the decode): no release leg is sent,
+/// and the gate goes after `wait`.
+#[tokio::test(start_paused = true)]
+async fn an_early_release_whose_gate_never_opens_sends_nothing() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer().after(ms(100)));
+    fake.on(D1, CHAT, Reply::hang());
+    let token = Arc::new(());
+    let connector = NixlWithGate {
+        open: None,
+        token: Arc::clone(&token),
+    };
+    let orch = orchestrator(&fake, &[P1], connector, release_on);
+    let idle = Arc::strong_count(&token);
+    assert!(timeout(ms(10), orch.serve(chat(&orch))).await.is_err());
+    sleep(ms(5000)).await;
+    let calls = fake.calls();
+    let [p] = &calls[..] else { panic!("{calls:?}") };
+    assert_eq!(p.endpoint(), P1);
+    assert_eq!(orch.stats().kv_releases, 0);
+    assert_eq!(Arc::strong_count(&token), idle);
     assert_settled(&orch);
 }
 
