@@ -792,8 +792,50 @@ impl EndpointSet {
         }
     }
 
+    /// The endpoints of this set that `keep` keeps (each role's order kept), as a
+    /// filter by health publishes them: the models this set serves stay the models
+    /// served. A model whose decode endpoints are all left out is then one that cannot
+    /// be served now ([`RouteError::NoDecode`], 503), not an unknown one (404), and a
+    /// request naming no model must still name one where this set serves several (it
+    /// is not sent to the one model left). [`EndpointSet::new`] over the same endpoints
+    /// would know only the models they declare.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use disagg_core::error::RouteError;
+    /// use disagg_core::{Endpoint, endpoint::EndpointSet, Role};
+    ///
+    /// let set = EndpointSet::new([
+    ///     Endpoint::new("http://d1:8200", Role::Decode)?.with_models(["llama"]),
+    ///     Endpoint::new("http://d2:8200", Role::Decode)?.with_models(["qwen"]),
+    /// ].map(Arc::new));
+    /// // qwen's only decode is ejected.
+    /// let up = set.retain(|e| e.id().as_str() != "http://d2:8200");
+    /// assert_eq!(up.served_models().len(), 2);
+    /// assert!(matches!(up.for_model(Some("qwen")), Err(RouteError::NoDecode)));
+    /// assert!(matches!(up.for_model(None), Err(RouteError::ModelRequired { .. })));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn retain(&self, mut keep: impl FnMut(&Arc<Endpoint>) -> bool) -> EndpointSet {
+        let mut set = Self::by_roles(self.iter().filter(|e| keep(e)).cloned());
+        if let Some(parent) = &self.models {
+            // Left with endpoints declaring no model, which serve any name: each
+            // request goes to them.
+            let mut index = ModelIndex::build(&set).unwrap_or_else(|| ModelIndex {
+                by_model: HashMap::new(),
+                undeclared: set.clone(),
+                served: Arc::from([]),
+            });
+            index.served = Arc::clone(&parent.served);
+            set.models = Some(Arc::new(index));
+        }
+        set
+    }
+
     /// The models some decode endpoint declares, sorted; empty when no endpoint
-    /// declares any.
+    /// declares any. For a set [retained](Self::retain) from another, the other's.
     pub fn served_models(&self) -> &[Arc<str>] {
         self.models.as_ref().map_or(&[], |m| &m.served)
     }
@@ -807,9 +849,11 @@ impl EndpointSet {
     /// # Errors
     ///
     /// [`RouteError::UnknownModel`] when no decode
-    /// endpoint serves `model`, and
+    /// endpoint serves `model`,
     /// [`RouteError::ModelRequired`] when the request
-    /// names no model and the endpoints serve several.
+    /// names no model and the endpoints serve several, and [`RouteError::NoDecode`]
+    /// when the model is served but none of its decode endpoints is in this set (a set
+    /// [retained](Self::retain) by health).
     ///
     /// # Examples
     ///
@@ -835,12 +879,18 @@ impl EndpointSet {
         let found = match model {
             Some(m) => index.by_model.get(m).or(Some(&index.undeclared)),
             None => match &*index.served {
-                [only] => index.by_model.get(only),
+                [only] => index.by_model.get(only).or(Some(&index.undeclared)),
                 _ => Some(&index.undeclared),
             },
         };
         match (found, model) {
             (Some(set), _) if !set.decode.is_empty() => Ok(set),
+            // A model served whose decodes are all left out now (ejected): none to
+            // send it to, not an unknown model; likewise the one model served.
+            (_, Some(m)) if index.served.binary_search_by(|s| (**s).cmp(m)).is_ok() => {
+                Err(RouteError::NoDecode)
+            }
+            (_, None) if index.served.len() <= 1 => Err(RouteError::NoDecode),
             (_, Some(m)) => Err(RouteError::UnknownModel {
                 model: m.to_owned(),
                 served: Arc::clone(&index.served),

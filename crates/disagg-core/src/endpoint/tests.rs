@@ -448,3 +448,44 @@ fn building_the_index_costs_the_declarations_not_their_product() {
         "{steps} name steps for {declarations} declared names"
     );
 }
+
+#[test]
+fn a_retained_set_keeps_its_models_served() {
+    let set = EndpointSet::new(
+        [
+            Endpoint::new("http://d1:1", Role::Decode)
+                .unwrap()
+                .with_models(["llama"]),
+            Endpoint::new("http://d2:1", Role::Decode)
+                .unwrap()
+                .with_models(["qwen"]),
+            Endpoint::new("http://any:1", Role::Decode).unwrap(),
+        ]
+        .map(Arc::new),
+    );
+    // Left with the endpoint declaring no model: it serves any name, and a request
+    // naming none goes to it, as in the whole set.
+    let any = set.retain(|e| e.models().is_none());
+    assert_eq!(any.served_models(), set.served_models());
+    for model in [Some("llama"), Some("gpt"), None] {
+        let to = any.for_model(model).unwrap();
+        assert_eq!(to.by_role(Role::Decode)[0].id().as_str(), "http://any:1");
+    }
+    // Left with nothing: each served model has no decode, an unknown one is unknown.
+    let none = set.retain(|_| false);
+    assert!(matches!(
+        none.for_model(Some("qwen")),
+        Err(RouteError::NoDecode)
+    ));
+    assert!(matches!(
+        none.for_model(Some("gpt")),
+        Err(RouteError::UnknownModel { .. })
+    ));
+    assert!(matches!(
+        none.for_model(None),
+        Err(RouteError::ModelRequired { .. })
+    ));
+    // A set declaring no model retains as a plain filter.
+    let plain = EndpointSet::new([Arc::new(Endpoint::new("http://d:1", Role::Decode).unwrap())]);
+    assert!(plain.retain(|_| true).served_models().is_empty());
+}

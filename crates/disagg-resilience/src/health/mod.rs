@@ -491,27 +491,23 @@ impl Health {
         }
         let now = self.now_ns();
         let mut next = NEVER;
-        let mut routed = Vec::new();
         let mut all = true;
-        {
+        let routed = {
             let registry = read(&self.registry);
-            for ep in inner.iter() {
+            // Retained, not rebuilt: the models the inner set serves stay served, so a
+            // model whose decodes are all ejected answers 503 (none to send it to),
+            // not 404 as if unknown, and a request naming no model is not sent to the
+            // one model left.
+            inner.retain(|ep| {
                 let keep = registry
                     .get(ep)
                     .is_none_or(|state| state.routed(now, &mut next));
-                if keep {
-                    routed.push(Arc::clone(ep));
-                } else {
-                    all = false;
-                }
-            }
-        }
-        // Nothing left out: publish the inner set itself, model index and all.
-        let set = if all {
-            inner
-        } else {
-            Arc::new(EndpointSet::new(routed))
+                all &= keep;
+                keep
+            })
         };
+        // Nothing left out: publish the inner set itself, model index and all.
+        let set = if all { inner } else { Arc::new(routed) };
         self.tx.send_if_modified(|current| {
             if same_members(current, &set) {
                 false

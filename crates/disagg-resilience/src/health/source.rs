@@ -7,10 +7,12 @@ use super::*;
 /// An [`EndpointSource`] over another that publishes its set minus the endpoints that
 /// are ejected or down.
 ///
-/// The published set is rebuilt with [`EndpointSet::new`] (per-model subsets included)
-/// only when something is left out; otherwise the inner set itself is passed on. When
-/// every endpoint of a role is left out, the set has none of that role, and the
-/// orchestrator applies its no-prefill policy (or answers 503 for decode). See the
+/// The published set is rebuilt with [`EndpointSet::retain`] (per-model subsets
+/// included, the inner set's served models kept) only when something is left out;
+/// otherwise the inner set itself is passed on. When every endpoint of a role is left
+/// out, the set has none of that role, and the orchestrator applies its no-prefill
+/// policy (or answers 503 for decode); likewise when every decode of a model is left
+/// out, a request for it is answered 503, not 404 as for a model never served. See the
 /// [module docs](super) for when changes become visible. Its [`Health`] is the
 /// source's [`listener`](EndpointSource::listener): an orchestrator built over the
 /// source feeds it every attempt's report, with nothing to wire.

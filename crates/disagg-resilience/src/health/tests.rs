@@ -1,4 +1,5 @@
 use super::*;
+use disagg_core::error::RouteError;
 use disagg_core::source::StaticSource;
 use std::sync::atomic::AtomicUsize;
 
@@ -250,6 +251,51 @@ async fn the_filtered_set_keeps_routing_by_model() {
     assert_eq!(ids(llama.by_role(Role::Prefill)), ["http://p2:1"]);
     assert_eq!(ids(llama.by_role(Role::Decode)), ["http://d1:1"]);
     assert_eq!(set.served_models().len(), 2);
+}
+
+/// A model whose decodes are all ejected is one that cannot be served now (503, none
+/// to send it to), not an unknown one (404); a request naming no model still must name
+/// one, not go to the one model left; and one of a single-model fleet with every decode
+/// ejected is answered 503, not 400.
+#[tokio::test(start_paused = true)]
+async fn a_model_whose_decodes_are_ejected_is_still_served() {
+    let inner = disagg_core::source::StaticSource::new([
+        ep("http://d1:1", Role::Decode).with_models(["llama"]),
+        ep("http://d2:1", Role::Decode).with_models(["qwen"]),
+    ]);
+    let source = HealthSource::new(inner, HealthConfig::default());
+    let d2 = find(&source, "http://d2:1", Role::Decode);
+    fail(source.health(), &d2, 5);
+    let set = source.snapshot();
+    assert_eq!(ids(set.by_role(Role::Decode)), ["http://d1:1"]);
+    assert_eq!(set.served_models().len(), 2);
+    assert!(matches!(
+        set.for_model(Some("qwen")),
+        Err(RouteError::NoDecode)
+    ));
+    assert!(matches!(
+        set.for_model(Some("gpt")),
+        Err(RouteError::UnknownModel { .. })
+    ));
+    assert!(matches!(
+        set.for_model(None),
+        Err(RouteError::ModelRequired { .. })
+    ));
+    let llama = set.for_model(Some("llama")).unwrap();
+    assert_eq!(ids(llama.by_role(Role::Decode)), ["http://d1:1"]);
+    // One model, its only decode ejected.
+    let inner = disagg_core::source::StaticSource::new([
+        ep("http://d1:1", Role::Decode).with_models(["llama"])
+    ]);
+    let source = HealthSource::new(inner, HealthConfig::default());
+    let d1 = find(&source, "http://d1:1", Role::Decode);
+    fail(source.health(), &d1, 5);
+    let set = source.snapshot();
+    assert!(matches!(set.for_model(None), Err(RouteError::NoDecode)));
+    assert!(matches!(
+        set.for_model(Some("llama")),
+        Err(RouteError::NoDecode)
+    ));
 }
 
 #[test]
