@@ -11,8 +11,10 @@
 //!    the ids are decoded no further than the first one past the ceiling, and the
 //!    `/tokenize` answer is read no further than an answer of that many ids can take
 //!    ([`answer_limit`](disagg_tokenize::engine::answer_limit)). A prompt of no ids, or
-//!    one `/tokenize` refuses as the client's (400, 422), fails it the same way; no
-//!    engine is blamed for either (only a failure of `/tokenize` itself names the
+//!    one `/tokenize` refuses as the client's (400, 422), fails it the same way, as
+//!    does a `/tokenize` 404 (vLLM's answer for a model it does not serve: the model
+//!    the client named, whose prefill leg would have had the same 404); no engine is
+//!    blamed for any of these (only a failure of `/tokenize` itself names the
 //!    prefill, [`ConnectorError::Engine`]). Lists of 256 KiB or
 //!    more are decoded on Tokio's blocking pool, not on the event loop; a completions
 //!    prompt of that size is told apart there too (a batch, which is refused, the
@@ -39,10 +41,15 @@
 //!    context: the `max_model_len` of the prefill's `/tokenize` answer less the
 //!    decode's prompt (the ids and the first token). When no `/tokenize` was asked for
 //!    the prompt (its ids were the client's, or a token-reading router's), `resolve`
-//!    asks the prefill's `/tokenize` for that length alone, and only for such a
-//!    client: a request with a limit costs no round trip more. Never `null`: vLLM's
-//!    completions route asserts a number for every output. Only when the prefill's
-//!    answer gives no `max_model_len` is the key left out (vLLM's 16). The length is
+//!    asks the prefill's `/tokenize` for that length alone (one character, its answer
+//!    read within 16 ids), for such a client or a `min_tokens` above 1 within the
+//!    limit (whose room it checks): a request with a limit and no such `min_tokens`
+//!    costs no round trip more. Never `null`: vLLM's completions route asserts a
+//!    number for every output. Only when the prefill's answer gives no
+//!    `max_model_len` is the key left out (vLLM's 16). A known difference: vLLM
+//!    without a client limit generates at most the model's generation-config default
+//!    (`max_new_tokens`, when the model sets one) where the decode, given the rest of
+//!    the context in numbers, does not apply it. The length is
 //!    the prefill's: the decode is assumed to run with a context at least as long
 //!    (the same model, normally the same `--max-model-len`); a shorter one refuses
 //!    the leg (400) after the client had its first token. A `min_tokens` above what
@@ -76,13 +83,13 @@ use disagg_core::request::{Api, PdRequest};
 use disagg_core::router::Route;
 use disagg_core::transport::Transport;
 use disagg_json::InvalidParam;
-use disagg_json::JsonBody;
 use disagg_pairing::{KvProfile, Mismatch, PairError};
 use disagg_tokenize::prompt::{BlockingLimit, READ_OFF_LOOP_FROM};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
+use self::ids::{completion_tokenize, tokenize_request};
 use self::limit::{int_field, rest_of_context, token_limit};
 use self::prompt::{Kind, Unchecked};
 use super::notify::{Notifications, Pending};
@@ -776,11 +783,10 @@ impl KvConnector for Lmcache {
         if tokens.is_empty() {
             return Err(ids::empty());
         }
-        // A client without a limit gets the rest of the context, whose length no
-        // `/tokenize` told when the ids were known.
-        if !asked && max_model_len.is_none() && plan.max_tokens.is_none() {
+        // The context's length, which no `/tokenize` told when the ids were known.
+        if !asked && max_model_len.is_none() && limit::needs_context(&plan) {
             let model = handoff.prefill.body.get("model");
-            max_model_len = ids::context_length(transport, &ep, model, max, &self.blocking).await?;
+            max_model_len = ids::context_length(transport, &ep, model, &self.blocking).await?;
         }
         limit::check_min_tokens(&plan, tokens.len(), max_model_len)?;
         handoff.prefill.body.set("prompt", &*tokens);
@@ -944,51 +950,6 @@ impl<'de: 'a, 'a> Deserialize<'de> for FirstChoice<'a> {
 #[derive(Deserialize)]
 struct KvParamsIn {
     first_tok: Option<u64>,
-}
-
-/// The `/tokenize` body for a client's request (a completions prompt of text: see
-/// [`Kind`]).
-fn tokenize_request(body: &JsonBody, chat: bool) -> Bytes {
-    // The client's values as it wrote them: copied, never built (a `Value` of a
-    // message list costs up to ~95 bytes per byte).
-    let raw = |key: &str| body.get(key).filter(|v| *v != b"null");
-    if !chat {
-        return completion_tokenize(raw("model"), body.get("prompt").unwrap_or(b"null"));
-    }
-    let mut out = Vec::with_capacity(256);
-    let mut o = disagg_json::raw::Object::open(&mut out);
-    if let Some(m) = raw("model") {
-        o.raw("model", m);
-    }
-    o.raw("messages", raw("messages").unwrap_or(b"[]"));
-    o.raw(
-        "add_generation_prompt",
-        raw("add_generation_prompt").unwrap_or(b"true"),
-    );
-    for key in [
-        "continue_final_message",
-        "chat_template",
-        "chat_template_kwargs",
-    ] {
-        if let Some(v) = raw(key) {
-            o.raw(key, v);
-        }
-    }
-    o.close();
-    Bytes::from(out)
-}
-
-/// The `/tokenize` body for a completions `prompt` (and the client's `model`, not
-/// `null`), both as written.
-fn completion_tokenize(model: Option<&[u8]>, prompt: &[u8]) -> Bytes {
-    let mut out = Vec::with_capacity(prompt.len() + 64);
-    let mut o = disagg_json::raw::Object::open(&mut out);
-    if let Some(m) = model {
-        o.raw("model", m);
-    }
-    o.raw("prompt", prompt);
-    o.close();
-    Bytes::from(out)
 }
 
 mod direct;

@@ -1,7 +1,9 @@
 //! The prompt's token ids, within the connector's ceiling
 //! ([`Lmcache::with_max_prompt_tokens`](super::Lmcache::with_max_prompt_tokens)), and
-//! whose fault it is when there are none: the client's (its prompt), the proxy's (its
-//! blocking pool), or the prefill engine's (its `/tokenize`).
+//! whose fault it is when there are none: the client's (its prompt, the model it
+//! named), the proxy's (its blocking pool), or the prefill engine's (its `/tokenize`).
+//! Also the prefill's context length, for a prompt whose ids were known, and the
+//! `/tokenize` bodies.
 
 use std::sync::Arc;
 
@@ -9,6 +11,7 @@ use bytes::Bytes;
 use disagg_core::endpoint::Endpoint;
 use disagg_core::error::{ConnectorError, error_chain};
 use disagg_core::transport::Transport;
+use disagg_json::JsonBody;
 use disagg_tokenize::EngineError;
 use disagg_tokenize::engine::{IdsError, TokenizeAnswer, read_ids, request_answer};
 use disagg_tokenize::prompt::BlockingLimit;
@@ -27,10 +30,11 @@ use super::refused;
 ///
 /// The client's faults are [`ConnectorError::Unsupported`] (400): more than `max` ids,
 /// a prompt `/tokenize` refuses as the client's (400 or 422: no prompt, a malformed
-/// message), no prompt at all, ids that are no list of token ids. A job the blocking
-/// pool lost is [`ConnectorError::NotReady`] (the proxy's, no engine's); an endpoint
-/// whose address makes no `/tokenize` URI is [`ConnectorError::NotConfigured`]; any
-/// other failure of `/tokenize` is the prefill engine's, [`ConnectorError::Engine`].
+/// message), a model it does not serve (404), no prompt at all, ids that are no list
+/// of token ids. A job the blocking pool lost is [`ConnectorError::NotReady`] (the
+/// proxy's, no engine's); an endpoint whose address makes no `/tokenize` URI is
+/// [`ConnectorError::NotConfigured`]; any other failure of `/tokenize` is the prefill
+/// engine's, [`ConnectorError::Engine`].
 pub(super) async fn prompt_ids(
     transport: &dyn Transport,
     ep: &Arc<Endpoint>,
@@ -41,7 +45,9 @@ pub(super) async fn prompt_ids(
 ) -> Result<(Arc<[u64]>, Option<u64>), ConnectorError> {
     match (tokenize, prompt) {
         (Some(body), _) => {
-            let answer = ask(transport, ep, body, max, blocking).await?;
+            let answer = ask(transport, ep, body, max, blocking)
+                .await
+                .map_err(|e| tokenize_error(ep, e, Call::Prompt { max }))?;
             // Widened once counted: at most `max` of them.
             let ids = answer.ids.into_iter().map(u64::from).collect();
             Ok((ids, answer.max_model_len))
@@ -59,27 +65,36 @@ pub(super) async fn prompt_ids(
     }
 }
 
+/// The most ids the `/tokenize` asking the context length reads: it tokenizes one
+/// character (a special token or two in front of it), whatever the connector's
+/// prompt ceiling (one below a handful of ids must not refuse it as a prompt too long).
+const PROBE_IDS: usize = 16;
+
 /// The prefill engine's context length (its `/tokenize` answer's `max_model_len`, when a
 /// positive integer), for a prompt whose ids were known without a `/tokenize`: asked
 /// with the client's `model` (unless `null`) and a prompt of one character, since only
-/// the answer's `max_model_len` is read. Asked afresh each time (no state: an engine
-/// restarted with another `--max-model-len` behind the same address is read anew),
-/// and only for a client without a token limit, whose decode gets the rest of the
-/// context.
+/// the answer's `max_model_len` is read, that answer read within [`PROBE_IDS`] ids.
+/// Asked afresh each time (no state: an engine restarted with another
+/// `--max-model-len` behind the same address is read anew), and only when the request
+/// needs it ([`needs_context`](super::limit::needs_context)).
 ///
 /// # Errors
 ///
-/// As [`prompt_ids`]' `/tokenize`: a failure of the engine's is
-/// [`ConnectorError::Engine`], naming the prefill.
+/// A model the engine does not serve (404), or a `model` it refuses in that call (400,
+/// 422), is the client's, [`ConnectorError::Unsupported`]; a lost blocking-pool job is
+/// [`ConnectorError::NotReady`]; any other failure, an answer of more than
+/// [`PROBE_IDS`] ids among them, is the engine's, [`ConnectorError::Engine`], naming
+/// the prefill.
 pub(super) async fn context_length(
     transport: &dyn Transport,
     ep: &Arc<Endpoint>,
     model: Option<&[u8]>,
-    max: usize,
     blocking: &BlockingLimit,
 ) -> Result<Option<u64>, ConnectorError> {
-    let body = super::completion_tokenize(model.filter(|m| *m != b"null"), br#"".""#);
-    let answer = ask(transport, ep, body, max, blocking).await?;
+    let body = completion_tokenize(model.filter(|m| *m != b"null"), br#"".""#);
+    let answer = ask(transport, ep, body, PROBE_IDS, blocking)
+        .await
+        .map_err(|e| tokenize_error(ep, e, Call::ContextLength))?;
     Ok(answer.max_model_len)
 }
 
@@ -90,40 +105,68 @@ async fn ask(
     body: Bytes,
     max: usize,
     blocking: &BlockingLimit,
-) -> Result<TokenizeAnswer, ConnectorError> {
+) -> Result<TokenizeAnswer, IdsError> {
     let uri = ep
         .uri("/tokenize")
-        .map_err(|_| ConnectorError::NotConfigured {
-            endpoint: ep.id().clone(),
-            what: "address that makes a `/tokenize` URI",
-        })?;
-    request_answer(transport, uri, body, max, blocking)
-        .await
-        .map_err(|e| tokenize_error(ep, e, max))
+        .map_err(|e| IdsError::Engine(EngineError::Uri(e)))?;
+    request_answer(transport, uri, body, max, blocking).await
 }
 
-/// The request's failure when the prefill's `/tokenize` on `ep` gave no ids: an answer
-/// of more than `max` ids (or longer than one of `max` ids can be) or a refusal of the
-/// client's prompt (400, 422) is the client's, a job the blocking pool lost the
-/// proxy's, anything else the engine's.
-fn tokenize_error(ep: &Endpoint, e: IdsError, max: usize) -> ConnectorError {
-    match e {
-        IdsError::TooMany { .. } => too_long(max),
-        IdsError::Engine(EngineError::Body(b)) if b.is::<http_body_util::LengthLimitError>() => {
-            too_long(max)
+/// Which of the prefill's `/tokenize` calls failed.
+#[derive(Debug, Clone, Copy)]
+enum Call {
+    /// The prompt's, read within `max` ids (the connector's ceiling).
+    Prompt { max: usize },
+    /// The context length's ([`context_length`]), read within [`PROBE_IDS`].
+    ContextLength,
+}
+
+/// The request's failure when the prefill's `/tokenize` on `ep` (`call`) gave no
+/// answer. The client's: a 404 (vLLM's answer for a model it does not serve; the
+/// prefill leg's own 404 would be passed to the client as its error), a refusal (400,
+/// 422) of the client's prompt or, asking the context length, of its `model` (the only
+/// part of that call that is the client's), and a prompt's answer of more ids than
+/// the ceiling (or longer than one of them can be). A job the blocking pool lost is the
+/// proxy's; an address that makes no `/tokenize` URI the operator's; anything else
+/// the engine's, an answer to the context length's one character of more than
+/// [`PROBE_IDS`] ids among them.
+fn tokenize_error(ep: &Endpoint, e: IdsError, call: Call) -> ConnectorError {
+    let too_many = match &e {
+        IdsError::TooMany { .. } => true,
+        IdsError::Engine(EngineError::Body(b)) => b.is::<http_body_util::LengthLimitError>(),
+        _ => false,
+    };
+    match (e, call) {
+        (_, Call::Prompt { max }) if too_many => too_long(max),
+        // vLLM's `_check_model`, before it reads the prompt: the model the client named.
+        (IdsError::Engine(EngineError::Status { status, message }), _)
+            if status == http::StatusCode::NOT_FOUND =>
+        {
+            refused(format!(
+                "a model its prefill engine does not serve ({status}: {message})"
+            ))
         }
         // vLLM answers 400 for a prompt it cannot take (none, a malformed message, an
         // unknown chat template field) and FastAPI 422 for a body off its schema: the
         // engine worked, the request was the client's fault.
-        IdsError::Engine(EngineError::Status { status, message })
+        (IdsError::Engine(EngineError::Status { status, message }), call)
             if matches!(status.as_u16(), 400 | 422) =>
         {
-            refused(format!(
-                "a prompt its prefill engine refused to tokenize ({status}: {message})"
-            ))
+            refused(match call {
+                Call::Prompt { .. } => {
+                    format!("a prompt its prefill engine refused to tokenize ({status}: {message})")
+                }
+                Call::ContextLength => format!(
+                    "a `model` its prefill engine refused when asked its context length ({status}: {message})"
+                ),
+            })
         }
-        IdsError::Blocking(e) => lost("reading the prefill's `/tokenize` answer", &e),
-        e => ConnectorError::Engine {
+        (IdsError::Blocking(e), _) => lost("reading the prefill's `/tokenize` answer", &e),
+        (IdsError::Engine(EngineError::Uri(_)), _) => ConnectorError::NotConfigured {
+            endpoint: ep.id().clone(),
+            what: "address that makes a `/tokenize` URI",
+        },
+        (e, _) => ConnectorError::Engine {
             endpoint: ep.id().clone(),
             what: "/tokenize",
             source: Box::new(e),
@@ -152,4 +195,49 @@ pub(super) fn lost(what: &str, e: &(dyn std::error::Error + 'static)) -> Connect
             error_chain(e)
         ),
     }
+}
+
+/// The `/tokenize` body for a client's request (a completions prompt of text: see
+/// [`Kind`](super::prompt::Kind)).
+pub(super) fn tokenize_request(body: &JsonBody, chat: bool) -> Bytes {
+    // The client's values as it wrote them: copied, never built (a `Value` of a
+    // message list costs up to ~95 bytes per byte).
+    let raw = |key: &str| body.get(key).filter(|v| *v != b"null");
+    if !chat {
+        return completion_tokenize(raw("model"), body.get("prompt").unwrap_or(b"null"));
+    }
+    let mut out = Vec::with_capacity(256);
+    let mut o = disagg_json::raw::Object::open(&mut out);
+    if let Some(m) = raw("model") {
+        o.raw("model", m);
+    }
+    o.raw("messages", raw("messages").unwrap_or(b"[]"));
+    o.raw(
+        "add_generation_prompt",
+        raw("add_generation_prompt").unwrap_or(b"true"),
+    );
+    for key in [
+        "continue_final_message",
+        "chat_template",
+        "chat_template_kwargs",
+    ] {
+        if let Some(v) = raw(key) {
+            o.raw(key, v);
+        }
+    }
+    o.close();
+    Bytes::from(out)
+}
+
+/// The `/tokenize` body for a completions `prompt` (and the client's `model`, not
+/// `null`), both as written.
+pub(super) fn completion_tokenize(model: Option<&[u8]>, prompt: &[u8]) -> Bytes {
+    let mut out = Vec::with_capacity(prompt.len() + 64);
+    let mut o = disagg_json::raw::Object::open(&mut out);
+    if let Some(m) = model {
+        o.raw("model", m);
+    }
+    o.raw("prompt", prompt);
+    o.close();
+    Bytes::from(out)
 }

@@ -44,6 +44,20 @@ pub(super) fn rest_of_context(plan: &Plan, prompt: usize) -> Option<u64> {
     plan.max_model_len.map(|m| m.saturating_sub(prompt))
 }
 
+/// Whether the request needs the prefill's context length, which a `/tokenize` of
+/// its prompt tells ([`context_length`](super::ids::context_length) asks it when the
+/// ids were known): a client without a limit, whose decode gets the rest of the
+/// context, or a `min_tokens` above 1 and within the limit, which
+/// [`check_min_tokens`] holds against the room the context leaves (one token fits
+/// any prompt the prefill takes; one above the limit is refused without the context).
+/// A request without a `min_tokens` and with a limit costs no round trip more.
+pub(super) fn needs_context(plan: &Plan) -> bool {
+    plan.max_tokens.is_none()
+        || plan
+            .min_tokens
+            .is_some_and(|min| min > 1 && plan.max_tokens.is_none_or(|limit| min <= limit))
+}
+
 /// The refusal (400) of a `min_tokens` above the tokens the request may generate, as
 /// vLLM refuses it before generating any (`SamplingParams`: `min_tokens` at most the
 /// resolved `max_tokens`, which is at most the context less the prompt): the context of

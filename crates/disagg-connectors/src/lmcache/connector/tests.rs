@@ -8,6 +8,7 @@ use disagg_core::Role;
 use disagg_core::endpoint::{Endpoint, Facts};
 use disagg_core::error::BoxError;
 use disagg_core::transport::BoxBody;
+use disagg_json::JsonBody;
 use disagg_pairing::KvRole;
 use http::HeaderMap;
 use http_body::Frame;

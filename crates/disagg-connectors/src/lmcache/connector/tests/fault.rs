@@ -229,3 +229,106 @@ async fn a_failed_context_length_call_names_the_prefill() {
     );
     assert_eq!(answered(err).0, 502);
 }
+
+/// vLLM's answer for a model it does not serve (its `_check_model`).
+const NO_MODEL: &str = r#"{"error":{"message":"The model `x` does not exist.","type":"NotFoundError","param":"model","code":404}}"#;
+
+/// A chat of `extra` members whose ids a token-reading router already made: no
+/// `/tokenize` is asked for its prompt.
+fn routed_chat(extra: &str) -> PdRequest {
+    let mut req = request(
+        Api::Chat,
+        &format!(r#"{{"model":"x","messages":[{{"role":"user","content":"hi"}}]{extra}}}"#),
+    );
+    req.set_tokens(Some(Arc::from(vec![5_u32, 6])));
+    req
+}
+
+/// A 404 from the prefill's `/tokenize` (vLLM's answer for a model it does not serve)
+/// is the client's fault, the model it named, as the prefill leg's own 404 would be:
+/// whether `/tokenize` was asked for the prompt or for the context length, the client
+/// gets an `invalid_request_error` in OpenAI's format carrying the engine's words, and
+/// no engine is named (nor its passive health counted against).
+#[tokio::test]
+async fn a_model_the_prefill_does_not_serve_is_the_clients() {
+    let text = request(
+        Api::Chat,
+        r#"{"model":"x","messages":[{"role":"user","content":"hi"}]}"#,
+    );
+    for req in [&text, &routed_chat(""), &routed_chat(r#","min_tokens":2"#)] {
+        let err = resolve_err(req, &Answers(http::StatusCode::NOT_FOUND, NO_MODEL)).await;
+        assert!(matches!(err, ConnectorError::Unsupported { .. }), "{err:?}");
+        let (code, body) = answered(err);
+        assert_eq!(code, 400, "{body}");
+        let e = &body["error"];
+        assert_eq!(e["type"], "invalid_request_error", "{body}");
+        let message = e["message"].as_str().unwrap();
+        assert!(
+            message.contains("a model its prefill engine does not serve")
+                && message.contains("The model `x` does not exist."),
+            "{message}"
+        );
+    }
+}
+
+/// A refusal (400, 422) of the `/tokenize` that asks the context length is told as
+/// such: the client sent ids, no prompt for the engine to refuse; only its `model` was
+/// in that call. It is the client's (400), naming no engine.
+#[tokio::test]
+async fn a_refused_context_length_call_is_not_told_as_a_refused_prompt() {
+    for status in [
+        http::StatusCode::BAD_REQUEST,
+        http::StatusCode::UNPROCESSABLE_ENTITY,
+    ] {
+        let err = resolve_err(&routed_chat(""), &Answers(status, REFUSED)).await;
+        assert!(matches!(err, ConnectorError::Unsupported { .. }), "{err:?}");
+        let (code, body) = answered(err);
+        assert_eq!(code, 400, "{body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            !message.contains("refused to tokenize")
+                && message.contains("context length")
+                && message.contains("Either prompt or messages must be provided"),
+            "{message}"
+        );
+    }
+}
+
+/// The `/tokenize` that asks the context length tokenizes one character: its answer is
+/// read within a few ids, whatever the connector's prompt ceiling. A ceiling below
+/// that answer's ids (a special token and the character) does not refuse the request
+/// as a prompt too long; an answer of many ids to it is no answer to that call, the
+/// engine's failure.
+#[tokio::test]
+async fn the_context_length_call_is_read_within_a_few_ids_not_the_prompt_ceiling() {
+    let c = connector().with_max_prompt_tokens(1);
+    let mut one = routed_chat("");
+    one.set_tokens(Some(Arc::from(vec![5_u32])));
+    let mut h = c.prepare(&route(Some(receiver())), &one).unwrap();
+    let two = Answers(
+        http::StatusCode::OK,
+        r#"{"count":2,"max_model_len":8,"tokens":[1,13]}"#,
+    );
+    c.resolve(&mut h, &two).await.unwrap();
+    assert_eq!(h.ext.get::<Plan>().unwrap().max_model_len, Some(8));
+
+    let many: &'static str = Box::leak(
+        format!(
+            r#"{{"count":100,"max_model_len":8,"tokens":[{}1]}}"#,
+            "1,".repeat(99)
+        )
+        .into_boxed_str(),
+    );
+    let err = resolve_err(&routed_chat(""), &Answers(http::StatusCode::OK, many)).await;
+    assert!(
+        matches!(
+            &err,
+            ConnectorError::Engine {
+                what: "/tokenize",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(answered(err).0, 502);
+}

@@ -504,3 +504,77 @@ async fn a_min_tokens_above_the_room_left_is_refused_before_the_prefill() {
         );
     }
 }
+
+/// A `min_tokens` above 1 needs the room the context leaves after the prompt, which no
+/// `/tokenize` told when the ids were known, even for a client with a limit: the
+/// context length is asked of the prefill's `/tokenize`, and a `min_tokens` above the
+/// room is refused (400) before the prefill, not by the decode after the client had
+/// its first token. At the room left the request is carried. A request without a
+/// `min_tokens`, with one of 1 (a token fits any prompt the prefill takes), or with one
+/// above its limit (refused by the limit alone) asks nothing more.
+#[tokio::test]
+async fn a_min_tokens_with_a_limit_is_checked_against_the_room_when_the_ids_are_known() {
+    let c = connector();
+    let eight = r#"{"count":1,"max_model_len":8,"tokens":[9]}"#;
+    let probe = [(
+        "/tokenize".to_owned(),
+        Bytes::from_static(br#"{"model":"m","prompt":"."}"#),
+    )];
+    let routed = |extra: &str| {
+        let mut req = request(
+            Api::Chat,
+            &format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"max_tokens":10{extra}}}"#
+            ),
+        );
+        req.set_tokens(Some(Arc::from(vec![5_u32, 6])));
+        req
+    };
+    // Ids a router made, and the client's own: a context of 8 leaves 6 after 2 ids.
+    let client_ids = request(
+        Api::Completions,
+        r#"{"model":"m","prompt":[5,6],"max_tokens":10,"min_tokens":7}"#,
+    );
+    for req in [routed(r#","min_tokens":7"#), client_ids] {
+        let engine = Asked::new(eight);
+        let mut h = c.prepare(&route(Some(receiver())), &req).unwrap();
+        let err = c.resolve(&mut h, &engine).await.unwrap_err();
+        assert_eq!(engine.asked(), probe);
+        assert!(h.gate.is_none());
+        let (code, body) = super::fault::answered(err);
+        assert_eq!(code, 400, "{body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("`min_tokens` of 7") && message.contains("leaves 6"),
+            "{message}"
+        );
+    }
+    // At the room left: carried, the decode owing one token less.
+    let engine = Asked::new(eight);
+    let mut h = c
+        .prepare(&route(Some(receiver())), &routed(r#","min_tokens":6"#))
+        .unwrap();
+    c.resolve(&mut h, &engine).await.unwrap();
+    assert_eq!(engine.asked(), probe);
+    c.complete(&mut h, &first_token(true)).await.unwrap();
+    let d = json_of(&h.decode.body);
+    assert_eq!((&d["min_tokens"], &d["max_tokens"]), (&json!(5), &json!(9)));
+    // Nothing asked without a `min_tokens` the room could refuse.
+    for (extra, refused) in [
+        ("", false),
+        (r#","min_tokens":1"#, false),
+        (r#","min_tokens":11"#, true),
+    ] {
+        let engine = Asked::new(eight);
+        let mut h = c.prepare(&route(Some(receiver())), &routed(extra)).unwrap();
+        let resolved = c.resolve(&mut h, &engine).await;
+        assert!(engine.asked().is_empty(), "{extra}: {:?}", engine.asked());
+        match resolved {
+            Err(e) if refused => assert!(
+                e.to_string().contains("above its token limit (10)"),
+                "{extra}: {e}"
+            ),
+            r => assert_eq!(r.is_ok(), !refused, "{extra}: {r:?}"),
+        }
+    }
+}
