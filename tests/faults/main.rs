@@ -472,17 +472,21 @@ fn eos_first_prompt() -> String {
         .expect("some prompt starts with EOS")
 }
 
-/// A NIXL stack whose prefill ends "stopped" on [`eos_first_prompt`] and so answers
-/// `"kv_transfer_params": null`, as vLLM drops the KV of a `FINISHED_STOPPED` prefill
-/// (vllm-project/vllm `vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py`,
-/// `request_finished`): its first token is EOS, and the proxy's rewriter does not set
-/// `ignore_eos` (the setting for engines that refuse the field). The decode engine has no
-/// EOS, so its answer is the whole `max_tokens`.
+/// A NIXL stack whose prefill answers `"kv_transfer_params": null` and holds nothing
+/// (the simulator's `withhold_kv_params` fault: what an older vLLM answered for a
+/// prefill that ended "stopped", before vLLM 0.33's schedulers held a stopped
+/// prefill's blocks too). Its prompt is [`eos_first_prompt`] and the proxy's rewriter
+/// does not set `ignore_eos` (the setting for engines that refuse the field); the
+/// decode engine has no EOS, so its answer is the whole `max_tokens`.
 async fn stopped_prefill(missing: MissingKv) -> Stack {
     use disagg_connectors::vllm::rewrite::PrefillRewriter;
     Stack::builder()
         .prefill(vec![SimConfig {
             eos_period: EOS_PERIOD,
+            faults: Faults {
+                withhold_kv_params: true,
+                ..Default::default()
+            },
             ..Default::default()
         }])
         .connector(disagg_connectors::vllm::VllmNixl::with_rewriter(
@@ -564,7 +568,8 @@ async fn a_prefill_without_handoff_is_502_under_missing_kv_fail() {
     assert_eq!((p.prefill_requests, p.blocks_held), (2, 0), "{p:?}");
     assert_eq!(stack.d().stats().requests, 0, "no decode leg was sent");
     assert!(eventually(Duration::from_secs(1), || stack.in_flight() == 0).await);
-    // The same stack hands KV over as usual when the prefill ends length-capped.
+    // The same stack hands KV over as usual when the prefill answers with its handoff.
+    stack.p().set_faults(Faults::default());
     let control = (0..)
         .map(|i| format!("go on {i}"))
         .find(|p| !disagg_sim::generate(p, 1, EOS_PERIOD).is_empty())

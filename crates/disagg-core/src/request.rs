@@ -75,7 +75,12 @@ impl Api {
 /// of its choosing (vLLM `kv_transfer_params.remote_host`, SGLang `bootstrap_host`), or
 /// pin a leg to a rank the other leg does not expect (SGLang reads `routed_dp_rank`, its
 /// deprecated alias `data_parallel_rank`, and `disagg_prefill_dp_rank`; a decode told
-/// another prefill rank than the one that holds the KV fails).
+/// another prefill rank than the one that holds the KV fails). SGLang's
+/// `GenerateReqInput` (`srt/managers/io_struct.py`) also takes `decode_tp_size` beside
+/// `bootstrap_pair_key` among its disaggregation fields (the decode's tensor-parallel
+/// size a prefill plans its KV transfer by) and `kv_router_hint` (a router's word on
+/// which peer's HiCache storage holds a reusable prefix, passed to the storage
+/// backend): both a router's to set, never a client's.
 pub(crate) const HANDOFF_FIELDS: &[&str] = &[
     "kv_transfer_params",
     "ec_transfer_params",
@@ -87,6 +92,8 @@ pub(crate) const HANDOFF_FIELDS: &[&str] = &[
     "data_parallel_rank",
     "disagg_prefill_dp_rank",
     "data_parallel_rank_decode",
+    "decode_tp_size",
+    "kv_router_hint",
 ];
 
 /// An object below the top level whose members an engine reads as if the client had
@@ -154,6 +161,8 @@ const NESTED_HANDOFF: &[Nested] = &[
                 "data_parallel_rank_decode",
                 "parameters.data_parallel_rank_decode",
             ),
+            ("decode_tp_size", "parameters.decode_tp_size"),
+            ("kv_router_hint", "parameters.kv_router_hint"),
         ],
     },
 ];
@@ -592,7 +601,7 @@ mod tests {
     fn strips_client_handoff_fields() {
         let r = req(
             HeaderMap::new(),
-            r#"{"model":"m","kv_transfer_params":{"remote_host":"evil"},"bootstrap_host":"evil","bootstrap_port":1,"bootstrap_room":2,"routed_dp_rank":1,"data_parallel_rank":1,"disagg_prefill_dp_rank":1,"data_parallel_rank_decode":1,"messages":[]}"#,
+            r#"{"model":"m","kv_transfer_params":{"remote_host":"evil"},"bootstrap_host":"evil","bootstrap_port":1,"bootstrap_room":2,"routed_dp_rank":1,"data_parallel_rank":1,"disagg_prefill_dp_rank":1,"data_parallel_rank_decode":1,"decode_tp_size":3,"kv_router_hint":{"source_control_endpoint":"tcp://evil:25000","block_hashes":["1"]},"messages":[]}"#,
         )
         .unwrap();
         assert_eq!(r.body().keys().collect::<Vec<_>>(), ["model", "messages"]);
@@ -630,7 +639,7 @@ mod tests {
     /// escaped or repeated at either level, and everything beside them stays as written.
     #[test]
     fn strips_the_handoff_nested_in_sampling_params_and_parameters() {
-        let body = r#"{"token_ids":[1],"sampling_params":{"max_tokens":8,"extra_args":{"kv_transfer_params":{"remote_host":"evil"},"mine":1},"extra_args":{"\u006bv_transfer_params":{"remote_host":"evil2"},"ec_transfer_params":1,"keep":2}},"parameters":{"bootstrap_host":"evil","b\u006fotstrap_port":8998,"bootstrap_room":1,"routed_dp_rank":0,"temperature":0}}"#;
+        let body = r#"{"token_ids":[1],"sampling_params":{"max_tokens":8,"extra_args":{"kv_transfer_params":{"remote_host":"evil"},"mine":1},"extra_args":{"\u006bv_transfer_params":{"remote_host":"evil2"},"ec_transfer_params":1,"keep":2}},"parameters":{"bootstrap_host":"evil","b\u006fotstrap_port":8998,"bootstrap_room":1,"routed_dp_rank":0,"decode_tp_size":3,"kv_router_hint":{"source_control_endpoint":"tcp://evil:25000"},"temperature":0}}"#;
         let r = req(HeaderMap::new(), body).unwrap();
         let text = String::from_utf8(r.body().to_bytes().to_vec()).unwrap();
         assert!(!text.contains("evil") && !text.contains("8998"), "{text}");
@@ -650,6 +659,8 @@ mod tests {
                 "parameters.bootstrap_host",
                 "parameters.bootstrap_port",
                 "parameters.bootstrap_room",
+                "parameters.decode_tp_size",
+                "parameters.kv_router_hint",
                 "parameters.routed_dp_rank",
                 "sampling_params.extra_args.ec_transfer_params",
                 "sampling_params.extra_args.kv_transfer_params",

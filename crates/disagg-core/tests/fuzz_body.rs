@@ -69,6 +69,8 @@ const HANDOFF_FIELDS: &[&str] = &[
     "data_parallel_rank",
     "disagg_prefill_dp_rank",
     "data_parallel_rank_decode",
+    "decode_tp_size",
+    "kv_router_hint",
 ];
 
 /// Keys the generated objects draw from: every field the request path reads or rewrites.
@@ -95,6 +97,8 @@ const SPECIAL_KEYS: &[&str] = &[
     "routed_dp_rank",
     "bootstrap_host",
     "bootstrap_room",
+    "decode_tp_size",
+    "kv_router_hint",
     "temperature",
 ];
 

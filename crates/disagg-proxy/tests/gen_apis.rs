@@ -295,10 +295,6 @@ async fn messages_are_disaggregated_over_nixl() {
     messages_over(nixl().await).await;
 }
 
-#[tokio::test]
-async fn messages_are_disaggregated_over_mooncake() {
-    messages_over(mooncake().await).await;
-}
 
 /// The prefill leg of `/v1/messages`, field by field, with a `thinking` budget the
 /// decode accepts (below `max_tokens`) but the one-token prefill would refuse without
@@ -349,10 +345,6 @@ async fn messages_prefill_leg_is_rewritten_field_by_field_over_nixl() {
     messages_prefill_leg(nixl().await).await;
 }
 
-#[tokio::test]
-async fn messages_prefill_leg_is_rewritten_field_by_field_over_mooncake() {
-    messages_prefill_leg(mooncake().await).await;
-}
 
 /// A body vLLM's request model refuses is answered 400 in OpenAI's shape (as vLLM's
 /// validation handler answers it), before any leg; the proxy's own failures on the
@@ -555,10 +547,6 @@ async fn responses_are_disaggregated_over_nixl() {
     responses_over(nixl().await).await;
 }
 
-#[tokio::test]
-async fn responses_are_disaggregated_over_mooncake() {
-    responses_over(mooncake().await).await;
-}
 
 /// The prefill leg of `/v1/responses`, field by field; an invalid body refused before
 /// any leg in OpenAI's shape.
@@ -719,10 +707,6 @@ async fn cohere_chat_is_disaggregated_over_nixl() {
     cohere_over(nixl().await).await;
 }
 
-#[tokio::test]
-async fn cohere_chat_is_disaggregated_over_mooncake() {
-    cohere_over(mooncake().await).await;
-}
 
 /// The prefill leg of `/cohere/v2/chat`, field by field; an invalid body refused before
 /// any leg; the route's errors in Cohere's `{"message", "id"}` shape.
@@ -853,4 +837,31 @@ async fn sglang_serves_messages_and_responses_over_pd() {
         assert_eq!(a.status, 400, "{path}: {}", a.text());
     }
     assert_eq!(p.stats().requests, 4);
+}
+
+/// Over vLLM Mooncake, the Anthropic, Responses and Cohere routes go to a decode
+/// engine alone (`no_ignore_eos`): their request models drop `ignore_eos`, so an EOS
+/// first token would end the prefill "stopped", vLLM's Mooncake prefill would keep no
+/// KV, and the decode, sent at once, would wait for it for minutes. The decode serves
+/// them from the prompt, as an engine alone does.
+#[tokio::test]
+async fn messages_responses_and_cohere_go_to_the_decode_alone_over_mooncake() {
+    let (p, d, proxy) = mooncake().await;
+    let bodies = [
+        (MESSAGES, messages(6, false)),
+        (RESPONSES, responses(6, false).to_string()),
+        (COHERE, cohere(6, false).to_string()),
+    ];
+    for (path, body) in &bodies {
+        let a = post(&proxy.url(), path, body).await;
+        assert_eq!(a.status, 200, "{path}: {}", a.text());
+        assert_eq!(a.header("x-disagg-handoff"), Some("direct"), "{path}");
+    }
+    assert_eq!(p.stats().requests, 0, "the prefill was asked");
+    let ds = d.stats();
+    assert_eq!((ds.remote_decodes, ds.local_prefills), (0, 3), "{ds:?}");
+    // Chat stays disaggregated.
+    let chat = json!({"model": "sim-model", "messages": [{"role": "user", "content": prompt()}], "max_tokens": 4});
+    let a = post(&proxy.url(), "/v1/chat/completions", &chat.to_string()).await;
+    assert_eq!(a.header("x-disagg-handoff"), Some("kv"), "{}", a.text());
 }

@@ -9,6 +9,7 @@ use thiserror::Error;
 use crate::body::Endpoint;
 use crate::config::{KvMode, SimConfig};
 use crate::generate::{Generation, VOCAB_SIZE, tokenize};
+use crate::handoff::KvParamsOut;
 use crate::lax;
 use crate::surface::Loras;
 
@@ -815,25 +816,6 @@ pub(crate) fn truthy(v: Option<&Value>) -> bool {
         Some(Value::Array(a)) => !a.is_empty(),
         Some(Value::Object(o)) => !o.is_empty(),
     }
-}
-
-/// `kv_transfer_params` a prefill answers with.
-#[derive(Debug, Serialize)]
-pub(crate) struct KvParamsOut<'a> {
-    pub(crate) do_remote_prefill: bool,
-    pub(crate) do_remote_decode: bool,
-    pub(crate) remote_block_ids: Vec<u64>,
-    pub(crate) remote_engine_id: &'a str,
-    pub(crate) remote_request_id: String,
-    pub(crate) remote_host: &'a str,
-    pub(crate) remote_port: u16,
-    pub(crate) tp_size: u32,
-    /// NIXL push: the prompt tokens computed (vLLM's push prefill adds it).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub(crate) remote_num_tokens: Option<u64>,
-    /// A bidirectional decode's: when its blocks are freed, on its own clock.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub(crate) remote_blocks_expiry_time: Option<f64>,
 }
 
 /// The `kv_transfer_params` field of an answer, when not `null`.

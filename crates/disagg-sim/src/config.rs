@@ -25,14 +25,32 @@ pub struct SimConfig {
     /// model (nor a LoRA adapter loaded with `POST /v1/load_lora_adapter`) are
     /// answered with 404, like vLLM.
     pub model: String,
-    /// The NIXL engine id put in `kv_transfer_params.remote_engine_id`
-    /// (Mooncake: the engine id of data-parallel rank 0). `None` (the
-    /// default) draws a random UUID at start.
+    /// The engine id put in `kv_transfer_params.remote_engine_id` (NIXL) and
+    /// answered by a Mooncake prefill's bootstrap server. With several
+    /// [`dp_size`](Self::dp_size) ranks, rank `r`'s is `"{engine_id}_dp{r}"`, as vLLM
+    /// names each rank's engine core ([`SimEngine::engine_ids`](crate::SimEngine::engine_ids)).
+    /// `None` (the default) draws a random UUID at start.
     pub engine_id: Option<String>,
-    /// The `remote_host` advertised in `kv_transfer_params` (default
-    /// `"127.0.0.1"`). A decode engine connects to this host and the side
-    /// channel port to pull the KV blocks.
+    /// The `remote_host` advertised in `kv_transfer_params` (and the host of a
+    /// Mooncake prefill's `worker_addr`). A decode engine connects to this host and
+    /// the side channel port to pull the KV blocks. Empty (the default): the address
+    /// the side channel listens on ([`SimConfig::bind_host`] with
+    /// [`SimEngine::start`](crate::SimEngine::start)), or `127.0.0.1` when that
+    /// address is unspecified (`0.0.0.0`, `::`), as vLLM advertises the
+    /// `VLLM_NIXL_SIDE_CHANNEL_HOST` it listens on. Read the result with
+    /// [`SimEngine::advertised_host`](crate::SimEngine::advertised_host).
     pub advertised_host: String,
+    /// The address [`SimEngine::start`](crate::SimEngine::start) binds the HTTP
+    /// server, the side channels, the bootstrap server and the EC push ports on
+    /// (default `127.0.0.1`; [`SimEngine::start_on`](crate::SimEngine::start_on)
+    /// binds the bootstrap server here). Give each engine of a test its own loopback
+    /// address (Linux routes all of `127.0.0.0/8` to the loopback interface, e.g.
+    /// `127.0.0.2` for a prefill and `127.0.0.3` for its decode) and a handoff that
+    /// names the wrong engine's host fails, as it would between machines, instead of
+    /// reaching the right socket by the port alone. The LMCache receiver ports
+    /// ([`SimConfig::lmcache_receiver`]) and the KV-event sockets
+    /// ([`SimConfig::kv_events`]) have hosts of their own.
+    pub bind_host: IpAddr,
     /// Time to prefill one prompt token locally (default zero).
     pub prefill_delay_per_token: Duration,
     /// Time between two generated tokens (default zero).
@@ -81,9 +99,11 @@ pub struct SimConfig {
     /// a vLLM engine takes the `X-data-parallel-rank` header, else its own
     /// load balancer picks; an SGLang engine reads the rank from the request
     /// or its own balancer (see the crate's "Data-parallel ranks" section).
-    /// In [`KvMode::Mooncake`] each rank has its own engine id (see
-    /// [`SimEngine::engine_ids`](crate::SimEngine::engine_ids)), and an
-    /// SGLang prefill registers each room under the rank that computed it.
+    /// Each rank has its own engine id (see
+    /// [`SimEngine::engine_ids`](crate::SimEngine::engine_ids)); a vLLM NIXL engine's
+    /// ranks have a side channel each, on consecutive ports
+    /// ([`SimEngine::side_channel_addrs`](crate::SimEngine::side_channel_addrs)), and
+    /// an SGLang prefill registers each room under the rank that computed it.
     pub dp_size: u32,
     /// vLLM NIXL decode: whether a decode aborted before its KV pull tells the
     /// prefill to free the blocks (default `true`, as vLLM's decode does since
@@ -279,7 +299,8 @@ impl Default for SimConfig {
         Self {
             model: "sim-model".to_owned(),
             engine_id: None,
-            advertised_host: "127.0.0.1".to_owned(),
+            advertised_host: String::new(),
+            bind_host: IpAddr::V4(Ipv4Addr::LOCALHOST),
             prefill_delay_per_token: Duration::ZERO,
             inter_token_delay: Duration::ZERO,
             default_max_tokens: 16,
@@ -467,6 +488,7 @@ pub enum SimRole {
 /// | slow prefill, beyond a budget | [`SimConfig::prefill_delay_per_token`], [`SimConfig::request_delay`] |
 /// | malformed `kv_transfer_params` (vLLM NIXL) | `malformed_kv_params` |
 /// | a partial handoff (vLLM NIXL: no block ids, no engine id, host, port...) | `partial_kv_params` |
+/// | no handoff at all, `null` (vLLM NIXL) | `withhold_kv_params` |
 /// | an answer naming a sequence the request lacks (SGLang `/generate`) | `generate_index` |
 /// | an event without its end, of any size (SGLang `/generate`) | `unterminated_event` |
 /// | `/tokenize` hangs | `hang_tokenize` |
@@ -502,6 +524,12 @@ pub struct Faults {
     /// other requests and in the other [`KvMode`]s, whose prefills answer no
     /// parameters.
     pub malformed_kv_params: bool,
+    /// vLLM NIXL prefills answer `"kv_transfer_params": null` and hold no KV blocks,
+    /// as an engine whose KV connector hands nothing back does (vLLM before 0.33 did
+    /// so for a prefill that finished stopped; 0.33 keeps its blocks): a prefill that
+    /// answers 2xx without a handoff. No effect on other requests and in the other
+    /// [`KvMode`]s.
+    pub withhold_kv_params: bool,
     /// vLLM NIXL prefills answer a partial handoff: the dict they would answer
     /// less the part [`PartialKv`] names (the blocks are held as usual). A
     /// vLLM 0.33 decode given it dies or hangs (see

@@ -23,7 +23,7 @@
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -175,8 +175,8 @@ pub(crate) async fn serve(
     }
 }
 
-/// `n` listeners on consecutive ports of 127.0.0.1 (a data-parallel consumer's EC
-/// ports, rank `d` at the first plus `d`): from `base` when given (failing when one of
+/// `n` listeners on consecutive ports of `host` (a data-parallel consumer's EC
+/// ports, a data-parallel NIXL engine's side channels: rank `d` at the first plus `d`): from `base` when given (failing when one of
 /// them is taken); else one port drawn by the system when `n` is 1, and otherwise a run
 /// drawn at random below Linux's default ephemeral range (32768-60999) as the
 /// KV-event publishers' are, tried again where a port of it is taken. Not in the ephemeral range: there the ports next to
@@ -184,17 +184,18 @@ pub(crate) async fn serve(
 /// hands `bind` odd ports and `connect` even ones), so under a busy test run a port
 /// drawn by the system rarely has a free neighbour.
 pub(crate) async fn bind_consecutive(
+    host: IpAddr,
     n: usize,
     base: Option<u16>,
 ) -> std::io::Result<Vec<TcpListener>> {
     if n <= 1 || base.is_some() {
-        return bind_run(base.unwrap_or(0), n.max(1)).await;
+        return bind_run(host, base.unwrap_or(0), n.max(1)).await;
     }
     let mut last = None;
     let mut draw =
         std::hash::BuildHasher::build_hasher(&std::collections::hash_map::RandomState::new());
     for attempt in 0..256 {
-        match bind_run(crate::kv_events::draw_base(&mut draw, attempt), n).await {
+        match bind_run(host, crate::kv_events::draw_base(&mut draw, attempt), n).await {
             Ok(listeners) => return Ok(listeners),
             Err(e) => last = Some(e),
         }
@@ -202,14 +203,14 @@ pub(crate) async fn bind_consecutive(
     Err(last.unwrap_or_else(|| {
         std::io::Error::new(
             std::io::ErrorKind::AddrInUse,
-            "no run of free consecutive ports for the EC ranks",
+            "no run of free consecutive ports for the data-parallel ranks",
         )
     }))
 }
 
 /// `n` listeners from port `first` on (0: one drawn by the system, then the next ones).
-async fn bind_run(first: u16, n: usize) -> std::io::Result<Vec<TcpListener>> {
-    let head = TcpListener::bind((Ipv4Addr::LOCALHOST, first)).await?;
+async fn bind_run(host: IpAddr, first: u16, n: usize) -> std::io::Result<Vec<TcpListener>> {
+    let head = TcpListener::bind((host, first)).await?;
     let base = head.local_addr()?.port();
     let mut listeners = vec![head];
     for d in 1..n {
@@ -219,10 +220,10 @@ async fn bind_run(first: u16, n: usize) -> std::io::Result<Vec<TcpListener>> {
             .ok_or_else(|| {
                 std::io::Error::new(
                     std::io::ErrorKind::AddrNotAvailable,
-                    "the EC ranks' ports pass 65535",
+                    "the data-parallel ranks' ports pass 65535",
                 )
             })?;
-        listeners.push(TcpListener::bind((Ipv4Addr::LOCALHOST, port)).await?);
+        listeners.push(TcpListener::bind((host, port)).await?);
     }
     Ok(listeners)
 }

@@ -1,5 +1,6 @@
-//! Bidirectional NIXL KV ([`SimConfig::decode_handoff`]), both sides, as vLLM 0.33 runs
-//! it with `kv_connector_extra_config.bidirectional_kv_xfer`
+//! NIXL handoff dicts: the `kv_transfer_params` a prefill answers with
+//! ([`KvParamsOut`]), and bidirectional NIXL KV ([`SimConfig::decode_handoff`]), both
+//! sides, as vLLM 0.33 runs it with `kv_connector_extra_config.bidirectional_kv_xfer`
 //! (`vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py`):
 //!
 //! - a **decode** holds its request's blocks for [`SimConfig::decoder_kv_blocks_ttl`]
@@ -23,21 +24,89 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
+use serde::Serialize;
 use serde_json::{Map, Value};
 
-use crate::api::KvParamsOut;
 use crate::kv::{self, SidePool};
 use crate::stats::{Counters, bump};
 
-/// Where a decode's handoff points: the engine, its side channel and what it holds.
-pub(crate) struct Own<'a> {
+/// `kv_transfer_params` a NIXL engine answers with, key for key and in the order vLLM
+/// 0.33's schedulers write them (`…/nixl/pull_scheduler.py` and `push_scheduler.py`,
+/// `request_finished`).
+#[derive(Debug, Serialize)]
+pub(crate) struct KvParamsOut<'a> {
+    pub(crate) do_remote_prefill: bool,
+    pub(crate) do_remote_decode: bool,
+    /// One list of block ids per KV-cache group; the simulated model has one group.
+    pub(crate) remote_block_ids: [Vec<u64>; 1],
+    pub(crate) remote_engine_id: &'a str,
+    pub(crate) remote_request_id: String,
+    pub(crate) remote_host: &'a str,
+    pub(crate) remote_port: u16,
+    pub(crate) tp_size: u32,
+    /// Pull mode only: the push scheduler does not write it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) dcp_size: Option<u32>,
+    pub(crate) pp_size: u32,
+    /// The tokens whose KV the blocks hold (vLLM's `num_computed_tokens`).
+    pub(crate) remote_num_tokens: u64,
+    /// Pull mode only: when a bidirectional decode frees its blocks, on its own clock;
+    /// `null` from a prefill, whose blocks live by their lease.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) remote_blocks_expiry_time: Option<Option<f64>>,
+    /// `"pull"` or `"push"`: which connector wrote the dict.
+    pub(crate) transfer_mode: &'static str,
+}
+
+/// Where a NIXL engine's KV can be had: its engine id and side channel, and the blocks
+/// it holds (under a request id).
+pub(crate) struct HeldKv<'a> {
     pub(crate) engine_id: &'a str,
     pub(crate) host: &'a str,
     pub(crate) port: u16,
-    /// The id its blocks are held under, and the blocks.
+    /// The id the blocks are held under, and the blocks.
     pub(crate) held: (String, Vec<u64>),
-    /// Tokens computed: prompt and answer.
+    /// The tokens whose KV the blocks hold.
     pub(crate) tokens: u64,
+}
+
+impl<'a> KvParamsOut<'a> {
+    /// A prefill's dict: pull mode's, or the push connector's (`push`).
+    pub(crate) fn prefill(kv: HeldKv<'a>, push: bool) -> Self {
+        let (remote_request_id, block_ids) = kv.held;
+        Self {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            remote_block_ids: [block_ids],
+            remote_engine_id: kv.engine_id,
+            remote_request_id,
+            remote_host: kv.host,
+            remote_port: kv.port,
+            tp_size: 1,
+            dcp_size: (!push).then_some(1),
+            pp_size: 1,
+            remote_num_tokens: kv.tokens,
+            remote_blocks_expiry_time: (!push).then_some(None),
+            transfer_mode: if push { "push" } else { "pull" },
+        }
+    }
+
+    /// A bidirectional decode's dict (pull mode only), its blocks freed `expiry` seconds
+    /// after its engine started.
+    pub(crate) fn decode(kv: HeldKv<'a>, expiry: f64) -> Self {
+        Self {
+            do_remote_prefill: false,
+            do_remote_decode: true,
+            remote_blocks_expiry_time: Some(Some(expiry)),
+            ..Self::prefill(kv, false)
+        }
+    }
+}
+
+/// Where a decode's handoff points: the engine, its side channel and what it holds.
+pub(crate) struct Own<'a> {
+    /// The engine, side channel, blocks and tokens (prompt and answer) it holds.
+    pub(crate) kv: HeldKv<'a>,
     /// Since the engine started.
     pub(crate) uptime: Duration,
     /// How long the blocks are held.
@@ -46,19 +115,7 @@ pub(crate) struct Own<'a> {
 
 /// The handoff a decode answers with.
 pub(crate) fn own(o: Own<'_>) -> KvParamsOut<'_> {
-    let (remote_request_id, remote_block_ids) = o.held;
-    KvParamsOut {
-        do_remote_prefill: false,
-        do_remote_decode: true,
-        remote_block_ids,
-        remote_engine_id: o.engine_id,
-        remote_request_id,
-        remote_host: o.host,
-        remote_port: o.port,
-        tp_size: 1,
-        remote_num_tokens: Some(o.tokens),
-        remote_blocks_expiry_time: Some((o.uptime + o.ttl).as_secs_f64()),
-    }
+    KvParamsOut::decode(o.kv, (o.uptime + o.ttl).as_secs_f64())
 }
 
 /// Whether a prefill leg's `kv_transfer_params` is a decode's own handoff (it names

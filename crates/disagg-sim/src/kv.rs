@@ -782,13 +782,7 @@ impl PullTarget {
             .ok_or(KvTransferError::BadParams(
                 "remote_request_id is not a string",
             ))?;
-        let block_ids = params
-            .get("remote_block_ids")
-            .and_then(Value::as_array)
-            .and_then(|ids| ids.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
-            .ok_or(KvTransferError::BadParams(
-                "remote_block_ids is not a list of block ids",
-            ))?;
+        let block_ids = group_block_ids(params.get("remote_block_ids"))?;
         Ok(Self {
             host: host.to_owned(),
             port,
@@ -798,6 +792,32 @@ impl PullTarget {
                 block_ids,
             },
         })
+    }
+}
+
+/// The block ids of `remote_block_ids` as vLLM 0.33's decode reads them: one list per
+/// KV-cache group (`BlockIds`; the simulated model has one group). Its worker reads the
+/// list group by group, so a flat list of ids (the shape before hybrid KV-cache groups)
+/// cannot be read: the transfer fails.
+fn group_block_ids(value: Option<&Value>) -> Result<Vec<u64>, KvTransferError> {
+    let groups = value
+        .and_then(Value::as_array)
+        .ok_or(KvTransferError::BadParams("remote_block_ids is not a list"))?;
+    if !groups.iter().all(Value::is_array) {
+        return Err(KvTransferError::BadParams(
+            "remote_block_ids is not one list of block ids per KV-cache group",
+        ));
+    }
+    match groups.as_slice() {
+        [group] => group
+            .as_array()
+            .and_then(|ids| ids.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
+            .ok_or(KvTransferError::BadParams(
+                "remote_block_ids holds something other than block ids",
+            )),
+        _ => Err(KvTransferError::BadParams(
+            "remote_block_ids names another number of KV-cache groups than the model's one",
+        )),
     }
 }
 

@@ -197,9 +197,18 @@
 //!   the least loaded rank, but its counts come from the DP coordinator every
 //!   100 ms; the simulator's deterministic choice makes consecutive unpinned
 //!   requests land on different ranks and never favours rank 0, so that a
-//!   proxy that does not pin a request it must pin fails at once. A Mooncake
+//!   proxy that does not pin a request it must pin fails at once. Each rank is an
+//!   engine core of its own, named `"{engine_id}_dp{rank}"` when there are several
+//!   ([`SimEngine::engine_ids`]; `vllm/v1/engine/core.py` `run_engine_core`). A NIXL
+//!   (pull or push) engine gives each rank its own side channel, on consecutive ports
+//!   (`VLLM_NIXL_SIDE_CHANNEL_PORT + data_parallel_index`, `…/nixl/base_scheduler.py`;
+//!   [`SimEngine::side_channel_addrs`]), holding only the KV computed on that rank;
+//!   a prefill's handoff names the rank it ran on (its engine id and port), and a
+//!   pull, release or push registration addressed to another rank fails (another
+//!   engine id: the handshake is refused; the right id on the wrong rank's port:
+//!   likewise; rank 0 for KV of rank 1: unknown request id). A Mooncake
 //!   prefill holds the KV under the engine id of the rank the request ran
-//!   on ([`SimEngine::engine_ids`]); a decode told another rank's engine id
+//!   on; a decode told another rank's engine id
 //!   waits for the transfer until its [`SimConfig::bootstrap_timeout`] and
 //!   fails with 500 `"KV transfer failed: ..."`.
 //! * **SGLang** (`python/sglang/srt/entrypoints` request headers,
@@ -247,7 +256,9 @@
 //! An engine speaks one of five P/D KV protocols, chosen by
 //! [`SimConfig::kv_mode`]. In each, the KV really travels over loopback
 //! sockets, so a wrong host, port, room, transfer id or engine id fails
-//! where it would fail between real engines. Every completion request first
+//! where it would fail between real engines (a wrong host too, when each engine
+//! listens on a loopback address of its own, [`SimConfig::bind_host`]). Every
+//! completion request first
 //! waits [`SimConfig::request_delay`] (scheduling), then prefills (locally,
 //! [`SimConfig::prefill_delay_per_token`] per prompt token, or from remote
 //! KV). A decode whose KV cannot be fetched answers HTTP 500
@@ -258,19 +269,25 @@
 //! The engine plays both roles of vLLM's NIXL pull mode:
 //!
 //! * **Prefill.** A request with `"kv_transfer_params":
-//!   {"do_remote_decode": true}` that finishes length-capped keeps its prompt's
-//!   KV blocks (one per [`SimConfig::block_size`] prompt tokens) for
-//!   [`SimConfig::kv_lease`] and answers with a top-level
-//!   `kv_transfer_params` naming them: `do_remote_prefill`,
-//!   `remote_block_ids`, `remote_engine_id`, `remote_request_id`,
-//!   `remote_host`, `remote_port` (the side channel) and `tp_size`. If it
-//!   finishes with `"stop"` (EOS or a stop string) it keeps nothing and
-//!   answers `"kv_transfer_params": null`, as vLLM does.
+//!   {"do_remote_decode": true}` keeps its prompt's KV blocks (one per
+//!   [`SimConfig::block_size`] prompt tokens) for [`SimConfig::kv_lease`], however
+//!   it finished (`"length"` or `"stop"`: vLLM 0.33's `request_finished` keeps both),
+//!   and answers with a top-level `kv_transfer_params` naming them, key for key and
+//!   in order as vLLM 0.33's pull scheduler writes them
+//!   (`…/nixl/pull_scheduler.py`): `do_remote_prefill`, `do_remote_decode`,
+//!   `remote_block_ids` (one list per KV-cache group, `[[0, 1, 2]]`: the model has
+//!   one group), `remote_engine_id` (its data-parallel rank's, see
+//!   [Data-parallel ranks](#data-parallel-ranks)), `remote_request_id`,
+//!   `remote_host`, `remote_port` (the side channel of the rank), `tp_size`,
+//!   `dcp_size`, `pp_size`, `remote_num_tokens` (the prompt's tokens),
+//!   `remote_blocks_expiry_time: null` and `transfer_mode: "pull"`.
 //! * **Decode.** A request carrying such parameters connects to
 //!   `remote_host:remote_port`, pulls the blocks and checks them against the
 //!   KV it would have computed for its own prompt. Any failure (nobody
-//!   listening, wrong engine id, unknown request id, wrong block ids, KV of
-//!   another prompt, expired lease) is answered with HTTP 500
+//!   listening, wrong engine id, unknown request id, wrong block ids, block ids
+//!   not given as one list per KV-cache group (vLLM 0.33's worker reads them group
+//!   by group: a flat list of ids cannot be read), KV of another prompt, expired
+//!   lease) is answered with HTTP 500
 //!   `"KV transfer failed: ..."` before any response head, like vLLM with
 //!   `kv_load_failure_policy="fail"`. Partial parameters with
 //!   `do_remote_prefill` do what they do to vLLM 0.33
@@ -369,10 +386,9 @@
 //! * **Prefill** (`"kv_transfer_params": {"do_remote_decode": true}`). After
 //!   the prefill, however it finished, the KV is held under the request's
 //!   internal id for [`SimConfig::kv_lease`], and the answer's
-//!   `kv_transfer_params` are the pull mode's (`do_remote_prefill`,
-//!   `remote_block_ids`, `remote_engine_id`, `remote_request_id` = the
-//!   internal id, `remote_host`, `remote_port`, `tp_size`) plus
-//!   `remote_num_tokens`.
+//!   `kv_transfer_params` are those vLLM 0.33's push scheduler writes: the pull
+//!   mode's keys (`remote_request_id` being the internal id) but `dcp_size` and
+//!   `remote_blocks_expiry_time`, with `transfer_mode: "push"`.
 //! * **Decode** (`do_remote_prefill: true` with `remote_engine_id`,
 //!   `remote_host`, `remote_port` and `tp_size`, the prefill's coordinates a
 //!   proxy knows before the prefill answered; `remote_block_ids` and
@@ -587,8 +603,8 @@
 //! counted in [`Stats::kv_transfers_pending`]. In LMCache mode the KV is held
 //! by the decode instead.
 //!
-//! * **vLLM NIXL.** A length-capped prefill holds its blocks when it
-//!   answers. They are freed when a decode pulls them, when the lease
+//! * **vLLM NIXL.** A prefill holds its blocks when it answers (however it
+//!   finished). They are freed when a decode pulls them, when the lease
 //!   ([`SimConfig::kv_lease`]) runs out, or when a decode is aborted before
 //!   its pull: a decode request with valid remote-prefill
 //!   `kv_transfer_params` whose client leaves (or that is otherwise
@@ -711,6 +727,7 @@ mod handoff;
 mod kv;
 mod kv_events;
 mod lax;
+mod listen;
 mod lmcache;
 mod metrics;
 mod mooncake;

@@ -77,18 +77,30 @@ pub(crate) async fn serve_bootstrap(
     }
 }
 
-/// The transfer id of a prefill-side request.
-pub(crate) fn prefill_transfer_id(params: Option<&Map<String, Value>>) -> Result<String, ApiError> {
+/// The transfer id of a prefill-side request; `None` when it has none (no
+/// `do_remote_decode`, or no string `transfer_id`): vLLM's Mooncake prefill then only
+/// warns, serves the request and holds nothing for a decode.
+pub(crate) fn prefill_transfer_id(params: Option<&Map<String, Value>>) -> Option<String> {
     let params = params.filter(|p| truthy(p.get("do_remote_decode")));
-    let transfer_id = params
+    params
         .and_then(|p| p.get("transfer_id"))
-        .and_then(Value::as_str);
-    match transfer_id {
-        Some(id) => Ok(id.to_owned()),
-        None => Err(ApiError::bad_request(
-            "Mooncake: a kv_producer needs kv_transfer_params with do_remote_decode: true and a string transfer_id",
-        )),
-    }
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+}
+
+/// What a Mooncake decode does with its `kv_transfer_params` (vLLM's Mooncake
+/// scheduler: `get_num_new_matched_tokens`, `update_state_after_alloc`).
+#[derive(Debug)]
+pub(crate) enum DecodeKv {
+    /// No truthy `do_remote_prefill`: the request is served from its prompt, as by an
+    /// engine alone.
+    Local,
+    /// `do_remote_prefill` without `remote_bootstrap_addr`, `remote_engine_id` and
+    /// `transfer_id`: "Got invalid KVTransferParams", and the request waits for remote
+    /// KV nobody sends.
+    Stuck,
+    /// The KV is pulled by transfer id.
+    Remote(Remote),
 }
 
 /// Where a decode finds its KV.
@@ -110,18 +122,19 @@ fn host_port(authority: &str) -> Option<(String, u16)> {
     (!host.is_empty()).then(|| (host.to_owned(), port))
 }
 
-/// Reads the decode-side `kv_transfer_params`.
-pub(crate) fn decode_remote(params: Option<&Map<String, Value>>) -> Result<Remote, ApiError> {
-    let params = params.filter(|p| truthy(p.get("do_remote_prefill")));
-    let get = |key| params.and_then(|p| p.get(key)).and_then(Value::as_str);
+/// Reads the decode-side `kv_transfer_params` ([`DecodeKv`]); a
+/// `remote_bootstrap_addr` that is no `HOST:PORT` fails the request.
+pub(crate) fn decode_remote(params: Option<&Map<String, Value>>) -> Result<DecodeKv, ApiError> {
+    let Some(params) = params.filter(|p| truthy(p.get("do_remote_prefill"))) else {
+        return Ok(DecodeKv::Local);
+    };
+    let get = |key| params.get(key).and_then(Value::as_str);
     let (Some(url), Some(engine_id), Some(transfer_id)) = (
         get("remote_bootstrap_addr"),
         get("remote_engine_id"),
         get("transfer_id"),
     ) else {
-        return Err(ApiError::bad_request(
-            "Mooncake: missing remote_bootstrap_addr/remote_engine_id/transfer_id (with do_remote_prefill: true)",
-        ));
+        return Ok(DecodeKv::Stuck);
     };
     let authority = url.strip_prefix("http://").unwrap_or(url);
     let authority = authority.split('/').next().unwrap_or_default();
@@ -130,13 +143,13 @@ pub(crate) fn decode_remote(params: Option<&Map<String, Value>>) -> Result<Remot
             "Mooncake: remote_bootstrap_addr {url:?} should look like http://HOST:PORT"
         )));
     };
-    Ok(Remote {
+    Ok(DecodeKv::Remote(Remote {
         url: url.trim_end_matches('/').to_owned(),
         host,
         port,
         engine_id: engine_id.to_owned(),
         transfer_id: transfer_id.to_owned(),
-    })
+    }))
 }
 
 /// `GET /query` on the prefill's bootstrap server.

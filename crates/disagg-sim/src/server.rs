@@ -3,7 +3,7 @@
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::fmt;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -21,16 +21,15 @@ use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{Instant, timeout_at};
 
-use crate::api::{
-    Answer, ApiError, CompletionRequest, FirstTok, KvParamsField, KvParamsOut, truthy,
-};
+use crate::api::{Answer, ApiError, CompletionRequest, FirstTok, KvParamsField, truthy};
 use crate::body::{Endpoint, SimBody, SseBody, SseSpec, push_json_str};
 use crate::config::{Faults, KvMode, SimConfig, SimRole};
 use crate::dp::{self, Balancer, RoundRobin, SglangRanks};
 use crate::gen_apis::GenApi;
 use crate::generate::{
-    EOS_TOKEN_ID, Finish, GenParams, Generation, KvDigest, generate_choice, ids_hash, kv_digest,
+    EOS_TOKEN_ID, GenParams, Generation, KvDigest, generate_choice, ids_hash, kv_digest,
 };
+use crate::handoff::{HeldKv, KvParamsOut};
 use crate::kv::{self, KvStore, KvTransferError, lock};
 use crate::kv_events::Publishers;
 use crate::lmcache::{self, DisaggSpec, LossRng, Notifier, TakeError};
@@ -75,8 +74,13 @@ impl RecordedRequest {
 #[derive(Debug)]
 struct Inner {
     config: SimConfig,
+    /// The host a decode is told to reach the side channel at ([`SimConfig::advertised_host`]
+    /// as resolved at start).
+    advertised_host: String,
+    /// The engine id of the configuration ([`SimConfig::engine_id`] or a drawn one).
     engine_id: String,
-    /// One engine id per data-parallel rank, rank 0's being `engine_id`.
+    /// One engine id per data-parallel rank: `engine_id` with one rank, else
+    /// `{engine_id}_dp{rank}`, as vLLM names each rank's engine core.
     engine_ids: Vec<String>,
     model_json: String,
     /// When the engine started: the `created` of its model cards.
@@ -85,10 +89,13 @@ struct Inner {
     vocab: surface::Vocab,
     /// The LoRA adapters loaded (`/v1/load_lora_adapter`).
     loras: surface::Loras,
-    side_channel_port: u16,
+    /// The side-channel port of each data-parallel rank (vLLM NIXL: one per rank,
+    /// consecutive; the other modes: one, rank 0's).
+    side_channel_ports: Vec<u16>,
     faults: Mutex<Faults>,
     counters: Arc<Counters>,
-    kv: KvStore,
+    /// The KV blocks each data-parallel rank holds for remote engines.
+    kv: Box<[KvStore]>,
     side_pool: kv::SidePool,
     /// SGLang prefill: KV registered under bootstrap rooms.
     rooms: sglang::Rooms,
@@ -154,6 +161,7 @@ pub struct SimEngine {
     inner: Arc<Inner>,
     addr: SocketAddr,
     side_channel_addr: SocketAddr,
+    side_channel_addrs: Vec<SocketAddr>,
     bootstrap_addr: Option<SocketAddr>,
     lmcache_init_ports: Vec<u16>,
     lmcache_alloc_ports: Vec<u16>,
@@ -258,6 +266,31 @@ impl Drop for LoadReport<'_> {
     }
 }
 
+/// A data-parallel rank's side of the KV handoff: its engine id, side-channel port and
+/// block store.
+struct Side<'a> {
+    engine_id: &'a str,
+    port: u16,
+    kv: &'a KvStore,
+}
+
+impl<'a> Side<'a> {
+    /// Rank `rank`'s side (a rank the engine placed a request on, so one it has; the
+    /// last one otherwise).
+    fn of(inner: &'a Inner, rank: usize) -> Self {
+        let rank = rank.min(inner.kv.len().saturating_sub(1));
+        let ports = &inner.side_channel_ports;
+        Side {
+            engine_id: inner
+                .engine_ids
+                .get(rank)
+                .map_or(inner.engine_id.as_str(), String::as_str),
+            port: ports.get(rank).or(ports.first()).copied().unwrap_or(0),
+            kv: &inner.kv[rank],
+        }
+    }
+}
+
 fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -267,28 +300,44 @@ fn unix_now() -> u64 {
 impl SimEngine {
     /// Starts an engine whose HTTP server and side channel (and bootstrap
     /// server, if its [`KvMode`] has one) listen on ephemeral ports of
-    /// 127.0.0.1. Must be called within a Tokio runtime.
+    /// [`SimConfig::bind_host`] (127.0.0.1 by default). Must be called within a
+    /// Tokio runtime.
+    ///
+    /// A vLLM NIXL engine ([`KvMode::Nixl`], [`KvMode::NixlPush`]) with several
+    /// [`SimConfig::dp_size`] ranks gets one side channel per rank, on consecutive
+    /// ports ([`SimEngine::side_channel_addrs`]).
     pub async fn start(config: SimConfig) -> std::io::Result<SimEngine> {
-        let http = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
-        let side_channel = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
-        Self::start_on(config, http, side_channel).await
+        let http = TcpListener::bind((config.bind_host, 0)).await?;
+        let ranks = crate::listen::side_channel_ranks(&config);
+        let side_channels = crate::ec_push::bind_consecutive(config.bind_host, ranks, None).await?;
+        let bootstrap = if config.kv_mode.has_bootstrap_server() {
+            Some(TcpListener::bind((config.bind_host, 0)).await?)
+        } else {
+            None
+        };
+        Self::start_inner(config, http, side_channels, bootstrap).await
     }
 
     /// Starts an engine on listeners the caller bound. The side channel's
     /// port is the `remote_port` advertised in `kv_transfer_params`. When
     /// the [`KvMode`] needs a bootstrap server, it listens on an ephemeral
-    /// port of 127.0.0.1 (see [`SimEngine::start_with_bootstrap`] to choose).
+    /// port of [`SimConfig::bind_host`] (see [`SimEngine::start_with_bootstrap`]
+    /// to choose). A vLLM NIXL engine with several data-parallel ranks binds the
+    /// side channels of ranks 1 and up on the ports after `side_channel`'s, on its
+    /// address (vLLM's `VLLM_NIXL_SIDE_CHANNEL_PORT + data_parallel_index`), and
+    /// fails to start if one is taken.
     pub async fn start_on(
         config: SimConfig,
         http: TcpListener,
         side_channel: TcpListener,
     ) -> std::io::Result<SimEngine> {
+        let side_channels = crate::listen::rank_side_channels(&config, side_channel).await?;
         let bootstrap = if config.kv_mode.has_bootstrap_server() {
-            Some(TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?)
+            Some(TcpListener::bind((config.bind_host, 0)).await?)
         } else {
             None
         };
-        Self::start_inner(config, http, side_channel, bootstrap).await
+        Self::start_inner(config, http, side_channels, bootstrap).await
     }
 
     /// Starts an engine on listeners the caller bound, the bootstrap server
@@ -307,17 +356,27 @@ impl SimEngine {
                 format!("kv mode {:?} has no bootstrap server", config.kv_mode),
             ));
         }
-        Self::start_inner(config, http, side_channel, Some(bootstrap)).await
+        let side_channels = crate::listen::rank_side_channels(&config, side_channel).await?;
+        Self::start_inner(config, http, side_channels, Some(bootstrap)).await
     }
 
     async fn start_inner(
         config: SimConfig,
         http: TcpListener,
-        side_channel: TcpListener,
+        side_channels: Vec<TcpListener>,
         bootstrap: Option<TcpListener>,
     ) -> std::io::Result<SimEngine> {
         let addr = http.local_addr()?;
-        let side_channel_addr = side_channel.local_addr()?;
+        let side_channel_addrs = side_channels
+            .iter()
+            .map(TcpListener::local_addr)
+            .collect::<std::io::Result<Vec<SocketAddr>>>()?;
+        let Some(&side_channel_addr) = side_channel_addrs.first() else {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "no side channel listener",
+            ));
+        };
         let bootstrap_addr = bootstrap
             .as_ref()
             .map(TcpListener::local_addr)
@@ -326,12 +385,14 @@ impl SimEngine {
             .engine_id
             .clone()
             .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
-        let engine_ids: Vec<String> = std::iter::once(engine_id.clone())
-            .chain((1..config.dp_size.max(1)).map(|r| format!("{engine_id}-dp{r}")))
-            .collect();
+        let engine_ids: Vec<String> = match config.dp_size {
+            0 | 1 => vec![engine_id.clone()],
+            n => (0..n).map(|r| format!("{engine_id}_dp{r}")).collect(),
+        };
+        let advertised_host = crate::listen::advertised_host(&config, side_channel_addr);
         let query_body = mooncake::query_body(
             &engine_ids,
-            &format!("{}:{}", config.advertised_host, side_channel_addr.port()),
+            &format!("{advertised_host}:{}", side_channel_addr.port()),
         )
         .map_err(std::io::Error::other)?;
         let mut model_json = String::new();
@@ -413,16 +474,17 @@ impl SimEngine {
             .map(|n| Arc::new(tokio::sync::Semaphore::new(n.max(1))));
         let inner = Arc::new(Inner {
             config,
+            advertised_host,
             engine_id,
             engine_ids,
             model_json,
             created: unix_now(),
             vocab: surface::Vocab::new(),
             loras: surface::Loras::default(),
-            side_channel_port: side_channel_addr.port(),
+            side_channel_ports: side_channel_addrs.iter().map(SocketAddr::port).collect(),
             faults: Mutex::new(faults),
             counters,
-            kv: KvStore::default(),
+            kv: (0..dp_size).map(|_| KvStore::default()).collect(),
             side_pool: kv::SidePool::default(),
             rooms: sglang::Rooms::default(),
             transfers: Arc::default(),
@@ -454,11 +516,14 @@ impl SimEngine {
             tls,
             stop_rx.clone(),
         )));
-        tasks.push(tokio::spawn(accept_side_channel(
-            inner.clone(),
-            side_channel,
-            stop_rx.clone(),
-        )));
+        for (rank, listener) in side_channels.into_iter().enumerate() {
+            tasks.push(tokio::spawn(accept_side_channel(
+                inner.clone(),
+                listener,
+                rank,
+                stop_rx.clone(),
+            )));
+        }
         match (inner.config.kv_mode, bootstrap) {
             (KvMode::Sglang(SimRole::Prefill), Some(listener)) => {
                 let inner = inner.clone();
@@ -535,9 +600,12 @@ impl SimEngine {
                 .as_ref()
                 .is_some_and(|ec| ec.role == crate::ec::EcRole::Consumer)
         {
-            let listeners =
-                crate::ec_push::bind_consecutive(inner.ec_pushed.len(), inner.config.ec_push_port)
-                    .await?;
+            let listeners = crate::ec_push::bind_consecutive(
+                inner.config.bind_host,
+                inner.ec_pushed.len(),
+                inner.config.ec_push_port,
+            )
+            .await?;
             for (rank, listener) in listeners.into_iter().enumerate() {
                 ec_push_ports.push(listener.local_addr()?.port());
                 let inner = Arc::clone(&inner);
@@ -565,6 +633,7 @@ impl SimEngine {
             inner,
             addr,
             side_channel_addr,
+            side_channel_addrs,
             bootstrap_addr,
             lmcache_init_ports,
             lmcache_alloc_ports,
@@ -575,8 +644,8 @@ impl SimEngine {
     }
 
     /// E/P/D push consumer ([`SimConfig::ec_push`] with an
-    /// [`EcRole::Consumer`](crate::EcRole::Consumer)): the port of 127.0.0.1 its
-    /// encoders push items to (vLLM's `ec_port`), rank 0's.
+    /// [`EcRole::Consumer`](crate::EcRole::Consumer)): the port of
+    /// [`SimConfig::bind_host`] its encoders push items to (vLLM's `ec_port`), rank 0's.
     pub fn ec_push_port(&self) -> Option<u16> {
         self.ec_push_ports.first().copied()
     }
@@ -610,14 +679,35 @@ impl SimEngine {
         self.side_channel_addr
     }
 
-    /// The engine id advertised as `remote_engine_id`.
+    /// The side channel of each data-parallel rank of a vLLM NIXL engine
+    /// ([`KvMode::Nixl`], [`KvMode::NixlPush`]), on consecutive ports from
+    /// [`side_channel_addr`](Self::side_channel_addr) (vLLM's
+    /// `VLLM_NIXL_SIDE_CHANNEL_PORT + data_parallel_index`): rank `r`'s serves only
+    /// the KV computed on rank `r`, under its engine id
+    /// ([`engine_ids`](Self::engine_ids)`[r]`). One address in the other modes.
+    pub fn side_channel_addrs(&self) -> Vec<SocketAddr> {
+        self.side_channel_addrs.clone()
+    }
+
+    /// The host the engine advertises for its side channel (`remote_host`, a
+    /// Mooncake prefill's `worker_addr`): [`SimConfig::advertised_host`], else the
+    /// address the side channel listens on.
+    pub fn advertised_host(&self) -> &str {
+        &self.inner.advertised_host
+    }
+
+    /// The engine id of the configuration ([`SimConfig::engine_id`], or the one drawn
+    /// at start): the one advertised as `remote_engine_id` by an engine of one
+    /// data-parallel rank. With several, each rank advertises its own
+    /// ([`engine_ids`](Self::engine_ids)).
     pub fn engine_id(&self) -> &str {
         &self.inner.engine_id
     }
 
-    /// The engine ids of the [`SimConfig::dp_size`] data-parallel ranks:
-    /// rank 0's is [`SimEngine::engine_id`], rank `r`'s is
-    /// `"{engine_id}-dp{r}"`.
+    /// The engine ids of the [`SimConfig::dp_size`] data-parallel ranks, as vLLM
+    /// names each rank's engine core (`vllm/v1/engine/core.py`): with one rank,
+    /// [`SimEngine::engine_id`]; with several, rank `r`'s is `"{engine_id}_dp{r}"`
+    /// (rank 0's too).
     pub fn engine_ids(&self) -> Vec<String> {
         self.inner.engine_ids.clone()
     }
@@ -872,9 +962,12 @@ async fn accept_http(
     connections.shutdown().await;
 }
 
+/// Serves the side channel of data-parallel rank `rank`: its KV, under its engine id
+/// (and, on a Mooncake prefill, the transfers of every rank).
 async fn accept_side_channel(
     inner: Arc<Inner>,
     listener: TcpListener,
+    rank: usize,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut connections = JoinSet::new();
@@ -895,7 +988,10 @@ async fn accept_side_channel(
                             });
                         let push_wait = (inner.config.kv_mode == KvMode::NixlPush)
                             .then_some(inner.config.bootstrap_timeout);
-                        if let Err(e) = kv::serve_pull(&inner.kv, &inner.counters, &inner.engine_id, mooncake, push_wait, stream).await {
+                        let (Some(store), Some(engine_id)) = (inner.kv.get(rank), inner.engine_ids.get(rank)) else {
+                            return;
+                        };
+                        if let Err(e) = kv::serve_pull(store, &inner.counters, engine_id, mooncake, push_wait, stream).await {
                             tracing::debug!(%peer, error = %e, "side channel connection failed");
                         }
                     });
@@ -947,7 +1043,9 @@ async fn sweep_leases(inner: Arc<Inner>, lease: Duration, mut stop: watch::Recei
         tokio::select! {
             _ = stop.changed() => break,
             _ = tick.tick() => {
-                inner.kv.sweep(&inner.counters);
+                for kv in inner.kv.iter() {
+                    kv.sweep(&inner.counters);
+                }
                 inner.transfers.sweep(&inner.counters);
                 inner.receiver.sweep(&inner.counters);
                 for pushed in inner.ec_pushed.iter() {
@@ -1763,6 +1861,10 @@ enum Plan {
     MooncakePrefill { key: (String, String) },
     /// Mooncake decode: pull the KV of a transfer.
     MooncakeDecode(mooncake::Remote),
+    /// A decode whose `kv_transfer_params` ask for remote KV but name none it can
+    /// pull (Mooncake's "Got invalid KVTransferParams"): it waits for KV nobody sends,
+    /// until the client leaves.
+    Stuck,
     /// LMCache prefill: push the KV to the decode's receiver ranks, if the
     /// request has a `disagg_spec`, and notify the proxy.
     LmcachePrefill(Option<DisaggSpec>),
@@ -1850,14 +1952,23 @@ fn plan(
             }
         }
         KvMode::Mooncake(_) if request.beam_search => Plan::Plain,
-        KvMode::Mooncake(SimRole::Prefill) => {
-            let transfer_id = mooncake::prefill_transfer_id(params)?;
-            let engine_id = inner.engine_ids.get(rank).cloned().unwrap_or_default();
-            Plan::MooncakePrefill {
-                key: (engine_id, transfer_id),
+        KvMode::Mooncake(SimRole::Prefill) => match mooncake::prefill_transfer_id(params) {
+            Some(transfer_id) => {
+                let engine_id = inner.engine_ids.get(rank).cloned().unwrap_or_default();
+                Plan::MooncakePrefill {
+                    key: (engine_id, transfer_id),
+                }
             }
-        }
-        KvMode::Mooncake(SimRole::Decode) => Plan::MooncakeDecode(mooncake::decode_remote(params)?),
+            None => {
+                tracing::debug!(request_id, "Mooncake: no transfer id, nothing held");
+                Plan::Plain
+            }
+        },
+        KvMode::Mooncake(SimRole::Decode) => match mooncake::decode_remote(params)? {
+            mooncake::DecodeKv::Local => Plan::Plain,
+            mooncake::DecodeKv::Stuck => Plan::Stuck,
+            mooncake::DecodeKv::Remote(remote) => Plan::MooncakeDecode(remote),
+        },
         KvMode::Lmcache(role) => {
             let spec = match role {
                 SimRole::Decode => None,
@@ -2136,6 +2247,16 @@ async fn serve_completion(
     // vLLM NIXL decode: where to pull the KV from. Until the pull is over, a
     // cancellation tells the prefill to free the blocks (vLLM's decode worker
     // does, not to strand them until the lease runs out).
+    if matches!(plan, Plan::Stuck) {
+        bump(&counters.stuck_kv_waits);
+        tracing::debug!(
+            request_id,
+            "invalid kv_transfer_params: waiting for KV nobody sends"
+        );
+        // Held until the client leaves; the guard then counts the request as
+        // cancelled.
+        std::future::pending::<()>().await;
+    }
     let nixl_pull = match &plan {
         Plan::Nixl => match params.filter(|p| truthy(p.get("do_remote_prefill"))) {
             Some(p) => match pull_params(p) {
@@ -2257,7 +2378,9 @@ async fn serve_completion(
                 }
             }
         }
+        // A stuck plan never gets here (it waited above until the client left).
         Plan::Plain
+        | Plan::Stuck
         | Plan::PushPrefill
         | Plan::SglangPrefill(_)
         | Plan::MooncakePrefill { .. }
@@ -2416,32 +2539,22 @@ async fn serve_completion(
         }
     }
 
-    // A length-capped prefill keeps its KV for the decode, unless a fault
-    // makes it answer unusable parameters instead.
+    // A prefill keeps its KV for the decode, however it finished (vLLM 0.33's pull
+    // and push schedulers keep the blocks of a request that stopped as of one that hit
+    // its length), unless a fault makes it answer unusable parameters, or none, instead.
     let malformed = is_prefill && faults.malformed_kv_params;
-    // A NIXL push prefill holds its KV however it finished (vLLM's push
-    // connector keeps the blocks of a stopped request too).
-    let holds = if push_prefill {
-        true
-    } else {
-        choices.iter().all(|c| c.finish == Finish::Length)
-    };
-    let kv_out = if is_prefill && !malformed && holds {
+    let withheld = malformed || faults.withhold_kv_params;
+    let kv_out = if is_prefill && !withheld {
         let digest = kv_digest(&config.model, config.block_size, request.tokens());
-        let (remote_request_id, block_ids) =
-            inner.kv.hold(counters, request_id, digest, config.kv_lease);
-        Some(KvParamsOut {
-            do_remote_prefill: true,
-            do_remote_decode: false,
-            remote_block_ids: block_ids,
-            remote_engine_id: &inner.engine_id,
-            remote_request_id,
-            remote_host: &config.advertised_host,
-            remote_port: inner.side_channel_port,
-            tp_size: 1,
-            remote_num_tokens: push_prefill.then_some(request.prompt_tokens),
-            remote_blocks_expiry_time: None,
-        })
+        let side = Side::of(inner, rank);
+        let held = HeldKv {
+            engine_id: side.engine_id,
+            host: &inner.advertised_host,
+            port: side.port,
+            held: side.kv.hold(counters, request_id, digest, config.kv_lease),
+            tokens: request.prompt_tokens,
+        };
+        Some(KvParamsOut::prefill(held, push_prefill))
     } else {
         None
     };
@@ -2451,12 +2564,15 @@ async fn serve_completion(
         let generated: u64 = choices.iter().map(|c| c.steps.len() as u64).sum();
         let digest = kv_digest(&config.model, config.block_size, request.tokens());
         let ttl = config.decoder_kv_blocks_ttl;
+        let side = Side::of(inner, rank);
         crate::handoff::own(crate::handoff::Own {
-            engine_id: &inner.engine_id,
-            host: &config.advertised_host,
-            port: inner.side_channel_port,
-            held: inner.kv.hold(counters, request_id, digest, ttl),
-            tokens: request.prompt_tokens + generated,
+            kv: HeldKv {
+                engine_id: side.engine_id,
+                host: &inner.advertised_host,
+                port: side.port,
+                held: side.kv.hold(counters, request_id, digest, ttl),
+                tokens: request.prompt_tokens + generated,
+            },
             uptime: inner.started.elapsed(),
             ttl,
         })

@@ -562,7 +562,7 @@ async fn mooncake_query_lists_every_rank() {
         c.engine_id = Some("pf".into());
     })
     .await;
-    assert_eq!(p.engine_ids(), ["pf", "pf-dp1"]);
+    assert_eq!(p.engine_ids(), ["pf_dp0", "pf_dp1"]);
     let bootstrap = p.bootstrap_addr().unwrap();
     let worker = format!("127.0.0.1:{}", p.side_channel_addr().port());
     let r = get(bootstrap, "/query").await;
@@ -570,8 +570,8 @@ async fn mooncake_query_lists_every_rank() {
     assert_eq!(
         r.json(),
         json!({
-            "0": {"engine_id": "pf", "worker_addr": {"0": {"0": worker}}},
-            "1": {"engine_id": "pf-dp1", "worker_addr": {"0": {"0": worker}}},
+            "0": {"engine_id": "pf_dp0", "worker_addr": {"0": {"0": worker}}},
+            "1": {"engine_id": "pf_dp1", "worker_addr": {"0": {"0": worker}}},
         })
     );
     assert_eq!(get(bootstrap, "/other").await.status, 404);
@@ -697,16 +697,25 @@ async fn mooncake_wrong_peer_fails_the_transfer() {
 }
 
 #[tokio::test]
-async fn mooncake_params_are_validated() {
+async fn mooncake_params_are_read_as_vllm_reads_them() {
     let p = engine(MOONCAKE_P, |_| {}).await;
     let d = engine(MOONCAKE_D, |_| {}).await;
     let body = chat(PROMPT, 4);
+    // Without a handoff, each engine serves the request from its prompt, as vLLM's
+    // Mooncake connector lets a request without `kv_transfer_params` through: the
+    // prefill holds nothing, the decode computes the prompt.
     for e in [&p, &d] {
-        assert_bad_request(&post(e.addr(), CHAT, &body).await, "Mooncake");
+        assert_eq!(post(e.addr(), CHAT, &body).await.status, 200);
     }
+    assert_eq!(p.stats().kv_transfers_pending, 0);
+    assert_eq!(d.stats().local_prefills, 1);
+    // A prefill without a (string) transfer id only warns, and holds nothing.
     let (mut pb, mut db) = mooncake_bodies(&body, &p, p.engine_id(), "t");
     pb["kv_transfer_params"]["transfer_id"] = json!(7);
-    assert_bad_request(&post(p.addr(), CHAT, &pb).await, "transfer_id");
+    assert_eq!(post(p.addr(), CHAT, &pb).await.status, 200);
+    assert_eq!(p.stats().kv_transfers_pending, 0);
+    // A decode asked for remote KV without the three keys: "Got invalid
+    // KVTransferParams", and the request waits for KV nobody sends.
     let without_engine = {
         let mut b = db.clone();
         b["kv_transfer_params"]
@@ -715,10 +724,11 @@ async fn mooncake_params_are_validated() {
             .remove("remote_engine_id");
         b
     };
-    assert_bad_request(
-        &post(d.addr(), CHAT, &without_engine).await,
-        "Mooncake: missing remote_bootstrap_addr/remote_engine_id/transfer_id",
-    );
+    let stuck = raw_post(d.addr(), CHAT, &[], &without_engine).await;
+    wait_for(&d, |s| s.stuck_kv_waits == 1).await;
+    drop(stuck);
+    let s = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!(s.cancelled, 1);
     db["kv_transfer_params"]["remote_bootstrap_addr"] = json!("nonsense");
     assert_bad_request(&post(d.addr(), CHAT, &db).await, "http://HOST:PORT");
 

@@ -64,7 +64,8 @@ async fn prefill_then_decode_matches_direct() {
     assert_eq!(tokens, 36);
     assert_eq!(params["do_remote_prefill"], true);
     assert_eq!(params["do_remote_decode"], false);
-    assert_eq!(params["remote_block_ids"], json!([0, 1, 2]));
+    // One list of block ids per KV-cache group (the model has one), as vLLM 0.33 writes.
+    assert_eq!(params["remote_block_ids"], json!([[0, 1, 2]]));
     assert_eq!(params["remote_engine_id"], "prefill-0");
     assert_eq!(params["remote_host"], "127.0.0.1");
     assert_eq!(params["remote_port"], p.side_channel_addr().port());
@@ -103,7 +104,7 @@ async fn prefill_then_decode_matches_direct() {
 
     // A second prefill gets fresh blocks.
     let again = prefill(&p, "short prompt").await;
-    assert_eq!(again["remote_block_ids"], json!([3]));
+    assert_eq!(again["remote_block_ids"], json!([[3]]));
     assert_ne!(again["remote_request_id"], Value::Null);
 }
 
@@ -172,8 +173,19 @@ async fn wrong_params_fail_the_pull() {
     assert_pull_fails(&d, &with_params(chat(PROMPT, 4), bad), "wrong engine").await;
 
     let mut bad = params.clone();
-    bad["remote_block_ids"] = json!([0, 1, 7]);
+    bad["remote_block_ids"] = json!([[0, 1, 7]]);
     assert_pull_fails(&d, &with_params(chat(PROMPT, 4), bad), "wrong blocks").await;
+
+    // The right blocks in a flat list (the shape before vLLM's hybrid KV-cache groups),
+    // which vLLM 0.33's decode worker cannot read group by group.
+    let mut bad = params.clone();
+    bad["remote_block_ids"] = json!([0, 1, 2]);
+    assert_pull_fails(&d, &with_params(chat(PROMPT, 4), bad), "flat block list").await;
+
+    // The right blocks as two KV-cache groups: the model has one.
+    let mut bad = params.clone();
+    bad["remote_block_ids"] = json!([[0, 1], [2]]);
+    assert_pull_fails(&d, &with_params(chat(PROMPT, 4), bad), "two groups").await;
 
     let mut bad = params.clone();
     bad["remote_request_id"] = json!("nope");
@@ -208,7 +220,7 @@ async fn wrong_params_fail_the_pull() {
     assert_pull_fails(&d, &with_params(chat(PROMPT, 4), params), "already pulled").await;
 
     let s = d.stats();
-    assert_eq!(s.kv_pull_failures, 8);
+    assert_eq!(s.kv_pull_failures, 10);
     assert_eq!(
         (s.remote_decodes, s.local_prefills, s.active_requests),
         (0, 0, 0)
@@ -225,7 +237,7 @@ async fn kv_of_another_model_or_block_size_fails() {
     .unwrap();
     let d = SimEngine::start(SimConfig::default()).await.unwrap();
     let params = prefill(&p, PROMPT).await;
-    assert_eq!(params["remote_block_ids"].as_array().unwrap().len(), 5);
+    assert_eq!(params["remote_block_ids"][0].as_array().unwrap().len(), 5);
     assert_pull_fails(&d, &with_params(chat(PROMPT, 4), params), "block size").await;
 }
 
@@ -329,20 +341,23 @@ async fn partial_params_fault_answers_each_shape() {
         // Every other key is there.
         assert_eq!(
             dict.len(),
-            8 - usize::from(shape != disagg_sim::PartialKv::EmptyBlockIds)
+            13 - usize::from(shape != disagg_sim::PartialKv::EmptyBlockIds)
         );
     }
     assert_eq!(p.stats().blocks_held, 3 * 6);
 }
 
+/// vLLM 0.33 (`…/nixl/pull_scheduler.py` `request_finished`) keeps the blocks of a
+/// prefill that finished stopped (EOS, a stop string) as of one that hit its length,
+/// and names them: a decode pulls them.
 #[tokio::test]
-async fn prefill_stopped_by_eos_returns_no_params() {
-    let p = SimEngine::start(SimConfig {
+async fn prefill_stopped_by_eos_holds_its_blocks_and_names_them() {
+    let config = || SimConfig {
         eos_period: 4,
         ..SimConfig::default()
-    })
-    .await
-    .unwrap();
+    };
+    let p = SimEngine::start(config()).await.unwrap();
+    let d = SimEngine::start(config()).await.unwrap();
     let prompt = (0..)
         .map(|i| format!("stop here {i}"))
         .find(|p| generate(p, 1, 4).is_empty())
@@ -350,12 +365,18 @@ async fn prefill_stopped_by_eos_returns_no_params() {
     let body = with_params(chat(&prompt, 1), json!({"do_remote_decode": true}));
     let v = post(p.addr(), CHAT, &body).await.json();
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
-    assert_eq!(v["kv_transfer_params"], Value::Null);
+    let params = v["kv_transfer_params"].clone();
+    assert_eq!(params["remote_block_ids"], json!([[0]]), "{v}");
     let s = p.stats();
     assert_eq!(
         (s.prefill_requests, s.kv_params_returned, s.blocks_held),
-        (1, 0, 0)
+        (1, 1, 1)
     );
+    let decoded = post(d.addr(), CHAT, &with_params(chat(&prompt, 4), params)).await;
+    assert_eq!(decoded.status, 200, "{}", decoded.text());
+    assert_eq!(decoded.json()["choices"][0]["finish_reason"], "stop");
+    assert_eq!(d.stats().remote_decodes, 1);
+    assert_eq!(p.stats().blocks_held, 0);
 
     // A stop string on the first token does the same.
     let first = generate("plain words", 1, 0)[0].trim().to_owned();
@@ -364,8 +385,64 @@ async fn prefill_stopped_by_eos_returns_no_params() {
     let plain = SimEngine::start(SimConfig::default()).await.unwrap();
     let v = post(plain.addr(), CHAT, &body).await.json();
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
-    assert_eq!(v["kv_transfer_params"], Value::Null);
-    assert_eq!(plain.stats().blocks_held, 0);
+    assert!(
+        v["kv_transfer_params"]["remote_block_ids"].is_array(),
+        "{v}"
+    );
+    assert_eq!(plain.stats().blocks_held, 1);
+}
+
+/// `Faults::withhold_kv_params`: a NIXL prefill answers without a handoff, `null`,
+/// and holds nothing; lifted, it names its blocks again.
+#[tokio::test]
+async fn withheld_params_fault_answers_null_and_holds_nothing() {
+    let p = SimEngine::start(SimConfig {
+        faults: disagg_sim::Faults {
+            withhold_kv_params: true,
+            ..Default::default()
+        },
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    for stream in [false, true] {
+        let mut body = with_params(chat(PROMPT, 1), json!({"do_remote_decode": true}));
+        body["stream"] = json!(stream);
+        let reply = post(p.addr(), CHAT, &body).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        if !stream {
+            assert_eq!(reply.json()["kv_transfer_params"], Value::Null);
+        }
+    }
+    let s = p.stats();
+    assert_eq!(
+        (s.prefill_requests, s.kv_params_returned, s.blocks_held),
+        (2, 0, 0)
+    );
+    p.set_faults(disagg_sim::Faults::default());
+    let params = prefill(&p, PROMPT).await;
+    assert_eq!(params["remote_block_ids"], json!([[0, 1, 2]]));
+}
+
+/// The prefill's `kv_transfer_params`, key for key and in order, as vLLM 0.33's pull
+/// scheduler writes them (`…/nixl/pull_scheduler.py` `request_finished`): one list of
+/// block ids per KV-cache group, `dcp_size`, `pp_size`, the tokens computed, a null
+/// expiry (a prefill's blocks live by their lease) and the transfer mode.
+#[tokio::test]
+async fn prefill_params_are_the_dict_vllm_writes() {
+    let (p, _d) = pair().await;
+    let body = with_params(chat(PROMPT, 1), json!({"do_remote_decode": true}));
+    let reply = post(p.addr(), CHAT, &body).await;
+    let text = reply.text();
+    let id = reply.json()["kv_transfer_params"]["remote_request_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let port = p.side_channel_addr().port();
+    let dict = format!(
+        r#""kv_transfer_params":{{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[0,1,2]],"remote_engine_id":"prefill-0","remote_request_id":"{id}","remote_host":"127.0.0.1","remote_port":{port},"tp_size":1,"dcp_size":1,"pp_size":1,"remote_num_tokens":36,"remote_blocks_expiry_time":null,"transfer_mode":"pull"}}"#
+    );
+    assert!(text.contains(&dict), "{text}\nlacks\n{dict}");
 }
 
 #[tokio::test]

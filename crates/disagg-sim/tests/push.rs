@@ -87,6 +87,23 @@ async fn sequential_push_pairs_by_request_id() {
     assert_eq!(params["remote_port"], p.side_channel_addr().port());
     assert_eq!(params["tp_size"], 1);
     assert_eq!(params["remote_num_tokens"], 18);
+    // vLLM 0.33's push scheduler writes (`…/nixl/push_scheduler.py` `request_finished`)
+    // one block list per KV-cache group, `pp_size` and `transfer_mode: "push"`, and no
+    // `dcp_size` or `remote_blocks_expiry_time`.
+    assert_eq!(params["remote_block_ids"], json!([[0, 1]]));
+    assert_eq!(params["pp_size"], 1);
+    assert_eq!(params["transfer_mode"], "push");
+    let keys: Vec<&str> = params
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert!(
+        !keys.contains(&"dcp_size") && !keys.contains(&"remote_blocks_expiry_time"),
+        "{params}"
+    );
+    assert_eq!(keys.len(), 11, "{params}");
     let remote_id = params["remote_request_id"].as_str().unwrap();
     let suffix = remote_id.strip_prefix("req-1-").unwrap();
     assert!(suffix.len() == 8 && suffix.bytes().all(|b| b.is_ascii_hexdigit()));

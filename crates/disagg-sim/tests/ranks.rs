@@ -56,12 +56,13 @@ fn mooncake_legs(p: &SimEngine, engine_id: &str, transfer_id: &str) -> (Value, V
 async fn mooncake_unpinned_prefill_is_placed_by_the_engine_and_strands_the_decode() {
     let p = engine(KvMode::Mooncake(SimRole::Prefill), 2).await;
     let d = engine(KvMode::Mooncake(SimRole::Decode), 1).await;
-    assert_eq!(p.engine_ids(), ["pf", "pf-dp1"]);
+    // vLLM names each rank's engine core `{engine_id}_dp{rank}`.
+    assert_eq!(p.engine_ids(), ["pf_dp0", "pf_dp1"]);
 
     // A proxy that does not pin the prefill leg and names rank 0's engine id
     // (what a single-rank view of the prefill gives): the engine's balancer,
     // which does not favour rank 0, put the first request on rank 1.
-    let (pb, db) = mooncake_legs(&p, "pf", "t1");
+    let (pb, db) = mooncake_legs(&p, "pf_dp0", "t1");
     let started = Instant::now();
     let (pr, dr) = tokio::join!(post(p.addr(), CHAT, &pb), post(d.addr(), CHAT, &db));
     assert_eq!(pr.status, 200, "{}", pr.text());
@@ -74,13 +75,13 @@ async fn mooncake_unpinned_prefill_is_placed_by_the_engine_and_strands_the_decod
     assert_eq!(p.stats().requests_per_dp_rank, [0, 1]);
 
     // The next unpinned request takes the other rank: rank 0's id works.
-    let (pb, db) = mooncake_legs(&p, "pf", "t2");
+    let (pb, db) = mooncake_legs(&p, "pf_dp0", "t2");
     let (pr, dr) = tokio::join!(post(p.addr(), CHAT, &pb), post(d.addr(), CHAT, &db));
     assert_eq!((pr.status, dr.status), (200, 200), "{}", dr.text());
     assert_eq!(p.stats().requests_per_dp_rank, [1, 1]);
 
     // Pinned with the header, the id of the pinned rank always works.
-    for (rank, id) in [("1", "pf-dp1"), ("1", "pf-dp1"), ("0", "pf")] {
+    for (rank, id) in [("1", "pf_dp1"), ("1", "pf_dp1"), ("0", "pf_dp0")] {
         let transfer = format!("pinned-{rank}-{}", p.stats().requests);
         let (pb, db) = mooncake_legs(&p, id, &transfer);
         let headers = [("X-data-parallel-rank", rank)];
@@ -128,6 +129,130 @@ async fn vllm_balancer_prefers_the_least_loaded_rank() {
         assert!(error_message(&r).contains("X-data-parallel-rank"));
     }
     assert_eq!(e.stats().requests_per_dp_rank, [1, 1, 1]);
+}
+
+// ------------------------------------------------------------ vLLM NIXL
+
+fn nixl_prefill_body() -> Value {
+    let mut body = chat(1);
+    body["kv_transfer_params"] = json!({"do_remote_decode": true, "do_remote_prefill": false});
+    body
+}
+
+fn nixl_decode_body(params: &Value) -> Value {
+    let mut body = chat(4);
+    body["kv_transfer_params"] = params.clone();
+    body
+}
+
+/// vLLM gives each data-parallel rank's engine core its own engine id,
+/// `{engine_id}_dp{rank}` (`vllm/v1/engine/core.py` `run_engine_core`), and its own
+/// NIXL side channel on `VLLM_NIXL_SIDE_CHANNEL_PORT + data_parallel_index`
+/// (`…/nixl/base_scheduler.py`); a prefill names the rank it ran on, and a pull
+/// addressed to another rank fails (its handshake meets another engine id, or the
+/// blocks are not there).
+#[tokio::test]
+async fn nixl_ranks_have_their_own_engine_id_and_side_channel() {
+    let p = engine(KvMode::Nixl, 2).await;
+    let d = SimEngine::start(SimConfig::default()).await.unwrap();
+
+    // Pinned to rank 1: the handoff names rank 1.
+    let pinned = [("X-data-parallel-rank", "1")];
+    let pr = post_with(p.addr(), CHAT, &pinned, &nixl_prefill_body()).await;
+    assert_eq!(pr.status, 200, "{}", pr.text());
+    let params = pr.json()["kv_transfer_params"].clone();
+    assert_eq!(params["remote_engine_id"], "pf_dp1", "{params}");
+    assert_eq!(p.engine_ids(), ["pf_dp0", "pf_dp1"]);
+    let sides = p.side_channel_addrs();
+    assert_eq!(sides.len(), 2);
+    assert_eq!(sides[0], p.side_channel_addr());
+    assert_eq!(sides[1].port(), sides[0].port() + 1);
+    assert_eq!(params["remote_port"], sides[1].port());
+
+    // Addressed to rank 0 (its port, its id, or both): refused, the blocks stay held.
+    for (id, port, why) in [
+        ("pf_dp1", sides[0].port(), "engine id mismatch"),
+        ("pf_dp0", sides[1].port(), "engine id mismatch"),
+        ("pf_dp0", sides[0].port(), "unknown request id"),
+    ] {
+        let mut wrong = params.clone();
+        wrong["remote_engine_id"] = json!(id);
+        wrong["remote_port"] = json!(port);
+        let r = post(d.addr(), CHAT, &nixl_decode_body(&wrong)).await;
+        assert_transfer_failed(&r, why);
+    }
+    assert!(p.stats().blocks_held > 0);
+    let r = post(d.addr(), CHAT, &nixl_decode_body(&params)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(p.stats().blocks_held, 0);
+
+    // Unpinned, the engine's balancer places the prefills (on one rank, then the
+    // other) and each handoff names where it ran: passed on verbatim, it is right.
+    let mut ranks = Vec::new();
+    for _ in 0..2 {
+        let pr = post(p.addr(), CHAT, &nixl_prefill_body()).await;
+        let params = pr.json()["kv_transfer_params"].clone();
+        let id = params["remote_engine_id"].as_str().unwrap();
+        let rank: usize = id.strip_prefix("pf_dp").unwrap().parse().unwrap();
+        assert_eq!(params["remote_port"], sides[rank].port(), "{params}");
+        ranks.push(rank);
+        let r = post(d.addr(), CHAT, &nixl_decode_body(&params)).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    ranks.sort_unstable();
+    assert_eq!(ranks, [0, 1]);
+    assert_eq!(p.stats().requests_per_dp_rank, [1, 2]);
+    assert_eq!(d.stats().remote_decodes, 3);
+    // One rank, one unsuffixed id.
+    let single = SimEngine::start(SimConfig {
+        engine_id: Some("solo".into()),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    assert_eq!(single.engine_ids(), ["solo"]);
+    assert_eq!(single.side_channel_addrs(), [single.side_channel_addr()]);
+}
+
+/// NIXL push with data-parallel ranks: a decode registers with the rank its
+/// parameters name, which pairs it only with KV computed there.
+#[tokio::test]
+async fn nixl_push_registers_with_the_rank_it_names() {
+    let p = engine(KvMode::NixlPush, 2).await;
+    let d = engine(KvMode::NixlPush, 1).await;
+    let sides = p.side_channel_addrs();
+    let push = |rank: usize| {
+        let mut body = json!({"prompt": PROMPT, "max_tokens": 4});
+        body["kv_transfer_params"] = json!({
+            "do_remote_prefill": true,
+            "do_remote_decode": false,
+            "remote_engine_id": format!("pf_dp{rank}"),
+            "remote_host": "127.0.0.1",
+            "remote_port": sides[rank].port(),
+            "tp_size": 1,
+        });
+        body
+    };
+    let prefill = json!({"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}});
+    let legs = |rank: &'static str, named: usize, id: &'static str| {
+        let (p, d, prefill, decode) = (p.addr(), d.addr(), prefill.clone(), push(named));
+        async move {
+            let headers = [("X-data-parallel-rank", rank), ("x-request-id", id)];
+            let decode_headers = [("x-request-id", id)];
+            tokio::join!(
+                post_with(p, "/v1/completions", &headers, &prefill),
+                post_with(d, "/v1/completions", &decode_headers, &decode)
+            )
+        }
+    };
+    // Computed on rank 1, the decode registered with rank 0: never paired.
+    let (pr, dr) = legs("1", 0, "r1").await;
+    assert_eq!(pr.status, 200, "{}", pr.text());
+    assert_transfer_failed(&dr, "no prefill paired");
+    // Named right, paired.
+    let (pr, dr) = legs("1", 1, "r2").await;
+    assert_eq!((pr.status, dr.status), (200, 200), "{}", dr.text());
+    assert_eq!(d.stats().remote_decodes, 1);
 }
 
 // ---------------------------------------------------------------- SGLang

@@ -5,7 +5,9 @@
 //!
 //! - the prefill and the decode get the **same** body: the client's, untouched (the
 //!   prefill engine, started with `--disaggregation-mode prefill`, only prefills), plus
-//!   `bootstrap_host` (the prefill endpoint's host), `bootstrap_port` (its
+//!   `bootstrap_host` (the prefill endpoint's host, an IPv6 address in brackets: the
+//!   engines join it to a port as `f"{bootstrap_host}:{port}"`, and SGLang's `mini_lb`
+//!   brackets it too), `bootstrap_port` (its
 //!   `--disaggregation-bootstrap-port`, or `null`) and `bootstrap_room` (a 63-bit id);
 //! - a batch of B prompts (completions when `prompt` is a list of prompts, `/generate`
 //!   when `text` or `input_ids` is one) gets arrays of the three, with B elements and a
@@ -235,11 +237,13 @@ impl KvConnector for SglangBootstrap {
         let prefill_ep = route.prefill.clone().ok_or(ConnectorError::NeedsPrefill {
             connector: self.name(),
         })?;
-        let host =
-            serde_json::to_vec(prefill_ep.host()).map_err(|source| ConnectorError::Encode {
+        // Bracketed when IPv6: SGLang joins it to a port as `f"{host}:{port}"`.
+        let host = serde_json::to_vec(prefill_ep.authority().host()).map_err(|source| {
+            ConnectorError::Encode {
                 field: "bootstrap_host",
                 source,
-            })?;
+            }
+        })?;
         let port = match crate::common::bootstrap_port(&prefill_ep)? {
             Some(p) => p.to_string().into_bytes(),
             None => b"null".to_vec(),
@@ -687,6 +691,41 @@ mod tests {
         assert!(p.get(ROUTED_DP_RANK).is_none());
         assert_eq!(d[ROUTED_DP_RANK], 3);
         assert!(d.get(PREFILL_DP_RANK).is_none());
+    }
+
+    /// An IPv6 prefill's host goes out bracketed, single and batched: SGLang's engines
+    /// join it to the port as `f"{bootstrap_host}:{port}"` (the bootstrap address of
+    /// the prefill's KV sender and of the decode's KV receiver), and SGLang's own
+    /// `mini_lb` brackets it (`maybe_wrap_ipv6_address`).
+    #[test]
+    fn an_ipv6_prefill_host_is_sent_bracketed() {
+        let route = Route::new(
+            Some(Arc::new(
+                Endpoint::new("http://[::1]:30000", Role::Prefill)
+                    .unwrap()
+                    .with_facts(
+                        Facts::default()
+                            .with(Facts::BOOTSTRAP_PORT, "8998")
+                            .unwrap(),
+                    ),
+            )),
+            Arc::new(Endpoint::new("http://[fd00::2]:30001", Role::Decode).unwrap()),
+        );
+        let c = SglangBootstrap::new();
+        let h = c
+            .prepare(&route, &req(Api::Completions, r#"{"prompt":"a"}"#))
+            .unwrap();
+        for leg in [&h.prefill, &h.decode] {
+            assert_eq!(leg.body.get("bootstrap_host"), Some(&br#""[::1]""#[..]));
+            assert_eq!(leg.body.get("bootstrap_port"), Some(&b"8998"[..]));
+        }
+        let h = c
+            .prepare(&route, &req(Api::Completions, r#"{"prompt":["a","b"]}"#))
+            .unwrap();
+        assert_eq!(
+            h.decode.body.get("bootstrap_host"),
+            Some(&br#"["[::1]","[::1]"]"#[..])
+        );
     }
 
     #[test]

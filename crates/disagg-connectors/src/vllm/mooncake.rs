@@ -31,6 +31,20 @@
 //! Each rank's load is counted on a rank endpoint (`URL@r`, with the engine's role,
 //! models and connector data) that the prefill exchange tracks, and that counts towards
 //! the engine's own load too.
+//!
+//! Routes served by the decode alone: vLLM's Mooncake prefill hands its KV over only
+//! when its leg ends length-capped (`request_finished` sends for
+//! `FINISHED_LENGTH_CAPPED` and drops the transfer id otherwise), and an EOS first
+//! token ends the one-token leg "stopped" before the cap is looked at
+//! (`v1/core/sched/utils.py` `check_stop`). Both legs are sent at once and nothing
+//! reads the prefill's finish, so the decode, already pulling by that transfer id,
+//! would wait out `VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT` (480 s). Only a leg carrying
+//! `ignore_eos: true` is sure to end capped; vLLM's Anthropic (`/v1/messages`),
+//! Responses and Cohere request models drop that field, and a
+//! [`PrefillRewriter::with_ignore_eos`]`(false)` writes it on no route. Those requests
+//! are served by a decode engine alone ([`Decision::Direct`], reason `no_ignore_eos`),
+//! once vLLM's checks passed them; with the default rewriter chat, completions and
+//! `/inference/v1/generate` stay disaggregated.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -48,12 +62,17 @@ use disagg_core::endpoint::{Endpoint, EndpointId};
 use disagg_core::error::{BoxError, ConnectorError};
 use disagg_core::outcome::Outcome;
 use disagg_core::policy::Decision;
-use disagg_core::request::PdRequest;
+use disagg_core::request::{Api, PdRequest};
 use disagg_core::router::Route;
 use disagg_core::transport::{Transport, read_limited};
-use disagg_json::InvalidParam;
 use disagg_json::write_json_str;
+use disagg_json::InvalidParam;
 use serde_json::value::RawValue;
+
+/// Why a request is served by a decode engine alone: its prefill leg would carry no
+/// `ignore_eos`, so an EOS first token could end it "stopped", and vLLM's Mooncake
+/// prefill then keeps no KV for the decode already waiting on it (see the module docs).
+pub(crate) const NO_IGNORE_EOS: &str = "no_ignore_eos";
 
 /// The bootstrap port of a prefill endpoint that configures none
 /// (`VLLM_MOONCAKE_BOOTSTRAP_PORT`'s default).
@@ -153,6 +172,8 @@ impl Ranks {
 #[derive(Debug)]
 pub struct VllmMooncake {
     rewriter: PrefillRewriter,
+    /// Whether `rewriter` writes `ignore_eos: true` on the routes that carry it.
+    ignores_eos: bool,
     ids: Rooms,
     query_timeout: Duration,
     /// Engine id per data-parallel rank, per prefill endpoint.
@@ -178,8 +199,10 @@ impl VllmMooncake {
     /// The connector with the default [`PrefillRewriter`] and a 5 s bootstrap query
     /// timeout.
     pub fn new() -> Self {
+        let rewriter = PrefillRewriter::new();
         VllmMooncake {
-            rewriter: PrefillRewriter::new(),
+            ignores_eos: rewriter.ignores_eos(),
+            rewriter,
             ids: Rooms::new(),
             query_timeout: Duration::from_secs(5),
             engines: Mutex::new(HashMap::new()),
@@ -192,10 +215,27 @@ impl VllmMooncake {
         self
     }
 
-    /// The same connector with a custom rewriter for the prefill leg.
+    /// The same connector with a custom rewriter for the prefill leg. A rewriter
+    /// without `ignore_eos` ([`PrefillRewriter::with_ignore_eos`]`(false)`) sends every
+    /// request to a decode engine alone (reason `no_ignore_eos`, see the module docs).
     pub fn with_rewriter(mut self, rewriter: PrefillRewriter) -> Self {
+        self.ignores_eos = rewriter.ignores_eos();
         self.rewriter = rewriter;
         self
+    }
+
+    /// Whether the prefill leg of `api` is sure to end length-capped, the one finish
+    /// after which vLLM's Mooncake prefill hands its KV over: the routes whose leg
+    /// carries `ignore_eos: true`. SGLang's `/generate` counts as carried here:
+    /// [`prepare`](KvConnector::prepare) refuses it, as for any vLLM connector.
+    fn ends_capped(&self, api: Api) -> bool {
+        match api {
+            Api::Chat | Api::Completions | Api::TokenGenerate => self.ignores_eos,
+            Api::Generate => true,
+            // vLLM's Anthropic, Responses and Cohere request models drop `ignore_eos`;
+            // a route added later is served direct until its leg is known to carry it.
+            _ => false,
+        }
     }
 
     /// The engine ids cached for `prefill`, by data-parallel rank.
@@ -359,9 +399,17 @@ impl KvConnector for VllmMooncake {
     /// [`check_request`](crate::vllm::rewrite::check::check_request) with the rewriter's
     /// limits: what vLLM refuses in the fields the prefill leg changes, and beam search
     /// served direct; so is a completions request of several prompts (reason `batch`:
-    /// the prefill's answer carries one handoff, prompt 0's).
+    /// the prefill's answer carries one handoff, prompt 0's), and any request whose
+    /// prefill leg would carry no `ignore_eos` (reason `no_ignore_eos`: an EOS first
+    /// token would leave the decode waiting 480 s, see the module docs).
     fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
-        crate::vllm::rewrite::check::check_one_handoff(req, self.rewriter.limits())
+        let decision = crate::vllm::rewrite::check::check_one_handoff(req, self.rewriter.limits())?;
+        if decision == Decision::Disaggregate && !self.ends_capped(req.api()) {
+            return Ok(Decision::Direct {
+                reason: NO_IGNORE_EOS,
+            });
+        }
+        Ok(decision)
     }
 
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
@@ -487,7 +535,6 @@ mod tests {
     const DATA_PARALLEL_RANK: &str = "x-data-parallel-rank";
     use disagg_core::endpoint::{Endpoint, Facts, Role};
     use disagg_core::error::TransportError;
-    use disagg_core::request::Api;
     use disagg_core::transport::ResponseFuture;
 
     /// Answers `GET /query` with a fixed body, counting the queries.
@@ -544,7 +591,11 @@ mod tests {
     }
 
     fn req(body: &str) -> PdRequest {
-        PdRequest::new(Api::Chat, HeaderMap::new(), &Bytes::from(body.to_owned())).unwrap()
+        req_of(Api::Chat, body)
+    }
+
+    fn req_of(api: Api, body: &str) -> PdRequest {
+        PdRequest::new(api, HeaderMap::new(), &Bytes::from(body.to_owned())).unwrap()
     }
 
     fn json_of(b: &disagg_json::JsonBody) -> Value {
@@ -839,6 +890,87 @@ mod tests {
             (0..MAX_RANKS).map(member).collect::<Vec<_>>().join(",")
         );
         assert_eq!(parse_query(full.as_bytes()).unwrap().len(), MAX_RANKS);
+    }
+
+    /// A valid body of each route vLLM's Mooncake pair can be asked on.
+    const VLLM_ROUTES: [(Api, &str); 6] = [
+        (Api::Chat, r#"{"model":"m","messages":[],"max_tokens":8}"#),
+        (
+            Api::Completions,
+            r#"{"model":"m","prompt":"p","max_tokens":8}"#,
+        ),
+        (
+            Api::TokenGenerate,
+            r#"{"token_ids":[1,2],"sampling_params":{"max_tokens":8}}"#,
+        ),
+        (
+            Api::Messages,
+            r#"{"model":"m","messages":[],"max_tokens":8}"#,
+        ),
+        (Api::Responses, r#"{"model":"m","input":"hi"}"#),
+        (Api::CohereChat, r#"{"model":"m","messages":[]}"#),
+    ];
+
+    fn decided(c: &VllmMooncake, api: Api, body: &str) -> Result<Decision, InvalidParam> {
+        c.check(&req_of(api, body))
+    }
+
+    /// vLLM's Mooncake prefill hands its KV over only when the leg ends length-capped;
+    /// an EOS first token ends it "stopped" and the decode waits out the engine's abort
+    /// timeout. The routes whose prefill leg cannot carry `ignore_eos` (vLLM's
+    /// Anthropic, Responses and Cohere request models drop it) go to the decode alone;
+    /// chat, completions and token-in, whose legs carry it, stay disaggregated.
+    #[test]
+    fn routes_whose_prefill_cannot_ignore_eos_are_served_on_the_decode_alone() {
+        let c = VllmMooncake::new();
+        for (api, body) in VLLM_ROUTES {
+            let want = match api {
+                Api::Messages | Api::Responses | Api::CohereChat => Decision::Direct {
+                    reason: NO_IGNORE_EOS,
+                },
+                _ => Decision::Disaggregate,
+            };
+            assert_eq!(decided(&c, api, body), Ok(want), "{api:?}");
+        }
+        // What vLLM refuses is still refused first, and an earlier reason is kept.
+        assert!(decided(&c, Api::Messages, r#"{"messages":[],"max_tokens":0}"#).is_err());
+        assert_eq!(
+            decided(&c, Api::Responses, r#"{"input":"hi","store":true}"#),
+            Ok(Decision::Direct {
+                reason: "responses_state"
+            })
+        );
+        // SGLang's `/generate` is still left to `prepare`, which refuses it.
+        assert_eq!(
+            decided(&c, Api::Generate, r#"{"text":"hi"}"#),
+            Ok(Decision::Disaggregate)
+        );
+        let err = c
+            .prepare(&route(None), &req_of(Api::Generate, r#"{"text":"hi"}"#))
+            .unwrap_err();
+        assert!(matches!(err, ConnectorError::Unsupported { .. }), "{err:?}");
+    }
+
+    /// A rewriter built without `ignore_eos` (for engines that refuse it) leaves every
+    /// prefill leg free to end "stopped": every vLLM route goes to the decode alone.
+    #[test]
+    fn without_ignore_eos_every_route_is_served_on_the_decode_alone() {
+        let c = VllmMooncake::new().with_rewriter(PrefillRewriter::new().with_ignore_eos(false));
+        for (api, body) in VLLM_ROUTES {
+            assert_eq!(
+                decided(&c, api, body),
+                Ok(Decision::Direct {
+                    reason: NO_IGNORE_EOS
+                }),
+                "{api:?}"
+            );
+        }
+        // The default rewriter put back: disaggregated again.
+        let c = c.with_rewriter(PrefillRewriter::new());
+        assert_eq!(
+            decided(&c, Api::Chat, VLLM_ROUTES[0].1),
+            Ok(Decision::Disaggregate)
+        );
     }
 
     /// A completions request of several prompts would share one `transfer_id` over

@@ -142,6 +142,13 @@ impl PrefillRewriter {
         self
     }
 
+    /// Whether the legs carry `ignore_eos: true` on the routes whose request models
+    /// take it ([`with_ignore_eos`](Self::with_ignore_eos); on by default). vLLM
+    /// Mooncake serves every request by a decode engine alone without it.
+    pub fn ignores_eos(&self) -> bool {
+        self.ignore_eos
+    }
+
     /// The prefill leg's body for a client `body` of `api`.
     pub fn rewrite(&self, api: Api, body: &JsonBody) -> JsonBody {
         if api == Api::TokenGenerate {
