@@ -43,24 +43,40 @@
 //!   ([`SourceStats::errors`](crate::SourceStats::errors)), and is retried with a
 //!   backoff from `min_refresh` doubling up to `max_refresh`.
 //!
-//! The resolver is the system's (`/etc/resolv.conf`, with its search domains and
-//! `/etc/hosts`) unless [`DnsConfig::server`] (`--dns-server IP:PORT`) names one; then
-//! only that server is asked, over UDP with TCP for truncated answers. Answers are not
-//! cached between refreshes: each refresh asks the server.
+//! A name's A and AAAA records are asked each on its own, and only a clean answer
+//! from both families counts: a timeout or an error of either fails the lookup, even
+//! when the other family answered (its addresses alone would drop the engines of the
+//! family that failed), and "no addresses" is the answer only when both families
+//! answered so.
+//!
+//! The resolver is the system's (`/etc/resolv.conf` and `/etc/hosts`) unless
+//! [`DnsConfig::server`] (`--dns-server IP:PORT`) names one; then only that server is
+//! asked, over UDP with TCP for truncated answers, without search domains or
+//! `/etc/hosts`. A name `/etc/hosts` lists (in either family) is answered from it
+//! alone. A name that is not fully qualified (no final `.`) is completed as the
+//! system's resolver completes it, from resolv.conf's search list and `ndots` (a
+//! Kubernetes pod's `ndots:5` tries `prefill.llm.svc:8100` under each search domain
+//! before the name as written): the names are asked in turn, a name answering "no such
+//! name" passes on to the next, a failure of any ends the walk as a failed lookup (the
+//! name that failed may be the one that has the records), and the first name with
+//! records answers. That fully qualified name is then pinned: later refreshes ask it
+//! alone. Answers are not cached between refreshes: each refresh asks the server.
 
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use disagg_core::Role;
 use futures::stream::FuturesUnordered;
 use futures::{Stream, StreamExt};
-use hickory_resolver::config::{LookupIpStrategy, NameServerConfig, ResolveHosts, ResolverConfig};
+use hickory_resolver::config::{NameServerConfig, ResolveHosts, ResolverConfig, ResolverOpts};
 use hickory_resolver::net::NetError;
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
-use hickory_resolver::proto::rr::RData;
-use hickory_resolver::{Resolver, TokioResolver};
+use hickory_resolver::proto::op::{Query, ResponseCode};
+use hickory_resolver::proto::rr::{Name, RData, RecordType};
+use hickory_resolver::{Hosts, Resolver, TokioResolver};
 use tokio::time::Instant;
 
 use crate::source::{SpecPublisher, SpecSource};
@@ -288,30 +304,9 @@ pub enum DnsError {
 /// When called outside a tokio runtime.
 pub async fn spawn(config: DnsConfig) -> Result<SpecSource, DnsError> {
     let config = checked(config)?;
-    let resolver = resolver(&config)?;
+    let dns = resolver(&config)?;
     let (publisher, source) = SpecSource::channel(config.name.as_str());
-    let names: Vec<NameState> = config
-        .targets
-        .iter()
-        .cloned()
-        .map(|target| NameState {
-            target,
-            last: None,
-            due: Instant::now(),
-            failures: 0,
-            looking_up: false,
-        })
-        .collect();
-    // A wait past any clock's reach is no wait's end (Duration::MAX would overflow).
-    let first_list_by = Instant::now().checked_add(config.first_list_wait);
-    let mut refresher = Refresher {
-        resolver,
-        config,
-        publisher,
-        names,
-        first_list_by,
-        lookups: FuturesUnordered::new(),
-    };
+    let mut refresher = Refresher::new(dns, config, publisher);
     // Every name's first lookup done, each having answered or failed (a name answering
     // sooner may be looked up again meanwhile, as its TTL runs out).
     while !refresher.names.iter().all(NameState::tried) {
@@ -342,30 +337,212 @@ fn checked(mut config: DnsConfig) -> Result<DnsConfig, DnsError> {
     Ok(config)
 }
 
-fn resolver(config: &DnsConfig) -> Result<TokioResolver, DnsError> {
-    let mut builder = match config.server {
+/// The resolver, and what completes a name that is not fully qualified.
+///
+/// Every query the resolver is given is for a fully qualified name, which it asks as
+/// it is: the search list is walked here ([`first_answer`]), so that a failure on one
+/// of its names is not hidden behind the "no such name" of the next (the resolver
+/// walks it answering with the last name's outcome alone), and `/etc/hosts` is read
+/// here, for both families at once.
+#[derive(Clone)]
+struct Dns {
+    resolver: TokioResolver,
+    /// The search list (resolv.conf's `search` domains, then its `domain`); none with
+    /// `--dns-server`.
+    search: Arc<[Name]>,
+    /// resolv.conf's `ndots`: a name with at least this many dots is asked as it is
+    /// before the search list, one with fewer after it.
+    ndots: usize,
+    /// `/etc/hosts` (empty with `--dns-server`): a name it knows is answered from it
+    /// alone.
+    hosts: Arc<Hosts>,
+}
+
+fn resolver(config: &DnsConfig) -> Result<Dns, DnsError> {
+    let (resolver_config, mut opts) = match config.server {
         Some(addr) => {
             let mut server = NameServerConfig::udp_and_tcp(addr.ip());
             for connection in &mut server.connections {
                 connection.port = addr.port();
             }
-            Resolver::builder_with_config(
-                ResolverConfig::from_name_servers(vec![server]),
-                TokioRuntimeProvider::default(),
-            )
+            let mut opts = ResolverOpts::default();
+            // The server named is the one asked, not /etc/hosts.
+            opts.use_hosts_file = ResolveHosts::Never;
+            (ResolverConfig::from_name_servers(vec![server]), opts)
         }
-        None => Resolver::builder_tokio().map_err(DnsError::SystemConfig)?,
+        None => system_config()?,
     };
-    let opts = builder.options_mut();
-    // Every address is an engine: ask for both families.
-    opts.ip_strategy = LookupIpStrategy::Ipv4AndIpv6;
+    let mut search = resolver_config.search().to_vec();
+    if let Some(domain) = resolver_config.domain()
+        && !search.contains(domain)
+    {
+        search.push(domain.clone());
+    }
+    let hosts = match opts.use_hosts_file {
+        ResolveHosts::Always | ResolveHosts::Auto => Hosts::from_system().unwrap_or_default(),
+        ResolveHosts::Never => Hosts::default(),
+    };
+    let ndots = opts.ndots;
+    opts.use_hosts_file = ResolveHosts::Never;
     opts.timeout = config.timeout;
     opts.attempts = 1;
-    if config.server.is_some() {
-        // The server named is the one asked, not /etc/hosts.
-        opts.use_hosts_file = ResolveHosts::Never;
+    let resolver = Resolver::builder_with_config(resolver_config, TokioRuntimeProvider::default())
+        .with_options(opts)
+        .build()
+        .map_err(DnsError::Resolver)?;
+    Ok(Dns {
+        resolver,
+        search: search.into(),
+        ndots,
+        hosts: Arc::new(hosts),
+    })
+}
+
+/// The system's resolver configuration (`/etc/resolv.conf` on Unix).
+fn system_config() -> Result<(ResolverConfig, ResolverOpts), DnsError> {
+    // A `NetError` on Unix, a `ProtoError` on other systems.
+    #[allow(
+        clippy::useless_conversion,
+        reason = "not the same type on every system"
+    )]
+    let read = hickory_resolver::system_conf::read_system_conf()
+        .map_err(|e| DnsError::SystemConfig(e.into()));
+    read
+}
+
+impl Dns {
+    /// The fully qualified names `name` may stand for, in the order the system's
+    /// resolver asks them: `name` itself first when it has at least `ndots` dots (or is
+    /// under `localhost`), then `name` under each search domain, then `name` itself when
+    /// it has fewer dots. A name ending in `.` is only itself.
+    fn candidates(&self, name: &str) -> Result<Vec<Name>, Failure> {
+        let name = Name::from_utf8(name).map_err(|e| Failure::Lookup(NetError::from(e)))?;
+        if name.is_fqdn() {
+            return Ok(vec![name]);
+        }
+        let mut itself = name.clone();
+        itself.set_fqdn(true);
+        let first = usize::from(name.num_labels()) > self.ndots || name.is_localhost();
+        let mut names = Vec::with_capacity(self.search.len() + 1);
+        if first {
+            names.push(itself.clone());
+        }
+        for domain in self.search.iter() {
+            if let Ok(under) = name.clone().append_domain(domain)
+                && !names.contains(&under)
+            {
+                names.push(under);
+            }
+        }
+        if !names.contains(&itself) {
+            names.push(itself);
+        }
+        Ok(names)
     }
-    builder.build().map_err(DnsError::Resolver)
+
+    /// The addresses of the fully qualified `name`: from `/etc/hosts` when it knows the
+    /// name, else its A and AAAA records, each family asked on its own. A failure of
+    /// either family (a timeout, SERVFAIL, a refusal) fails the lookup, whatever the
+    /// other answered: the name's last good engines are kept rather than replaced by
+    /// one family's addresses, or by none. Only both families answering cleanly
+    /// without records (NXDOMAIN, or no records of the type) is a name without
+    /// addresses, [`Failure::NoRecords`].
+    async fn addresses(&self, name: &Name) -> Result<(Vec<IpAddr>, Instant), Failure> {
+        let listed = [RecordType::A, RecordType::AAAA].map(|kind| {
+            self.hosts
+                .lookup_static_host(&Query::query(name.clone(), kind))
+        });
+        if listed.iter().any(Option::is_some) {
+            let mut ips = Vec::new();
+            let mut until: Option<Instant> = None;
+            for lookup in listed.iter().flatten() {
+                ips.extend(lookup.answers().iter().filter_map(|r| r.data.ip_addr()));
+                let valid = Instant::from_std(lookup.valid_until());
+                until = Some(until.map_or(valid, |u| u.min(valid)));
+            }
+            return Ok((ips, until.unwrap_or_else(Instant::now)));
+        }
+        let (a, aaaa) = futures::join!(
+            self.family(name, RecordType::A),
+            self.family(name, RecordType::AAAA)
+        );
+        let mut ips = Vec::new();
+        let mut until: Option<Instant> = None;
+        let mut negative_ttl = None;
+        for outcome in [a, aaaa] {
+            match outcome {
+                Ok((found, valid)) => {
+                    ips.extend(found);
+                    until = Some(until.map_or(valid, |u| u.min(valid)));
+                }
+                Err(Failure::NoRecords { negative_ttl: ttl }) => {
+                    negative_ttl = sooner(negative_ttl, ttl);
+                }
+                Err(failed) => return Err(failed),
+            }
+        }
+        match until {
+            // A family without records may have some by its negative TTL.
+            Some(until) => Ok((
+                ips,
+                negative_ttl.map_or(until, |t| {
+                    until.min(Instant::now() + Duration::from_secs(t.into()))
+                }),
+            )),
+            None => Err(Failure::NoRecords { negative_ttl }),
+        }
+    }
+
+    /// One family's addresses of the fully qualified `name`: an answer with none is
+    /// [`Failure::NoRecords`].
+    async fn family(
+        &self,
+        name: &Name,
+        kind: RecordType,
+    ) -> Result<(Vec<IpAddr>, Instant), Failure> {
+        let lookup = self.resolver.lookup(name.clone(), kind).await?;
+        let ips: Vec<IpAddr> = lookup
+            .answers()
+            .iter()
+            .filter(|r| r.record_type() == kind)
+            .filter_map(|r| r.data.ip_addr())
+            .collect();
+        if ips.is_empty() {
+            return Err(Failure::NoRecords { negative_ttl: None });
+        }
+        Ok((ips, Instant::from_std(lookup.valid_until())))
+    }
+}
+
+/// The shorter of two negative TTLs, either absent.
+fn sooner(a: Option<u32>, b: Option<u32>) -> Option<u32> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// Asks `ask` about each of `names` in turn, as a resolver walks its search list: the
+/// first to answer with records gives the answer, with its name; one answering cleanly
+/// without records passes on to the next; any failure fails the lookup there (the name
+/// that failed may be the one that has the records). All of them without records is
+/// [`Failure::NoRecords`], the shortest negative TTL given.
+async fn first_answer<T, F, Fut>(names: Vec<Name>, mut ask: F) -> Result<(T, Name), Failure>
+where
+    F: FnMut(Name) -> Fut,
+    Fut: Future<Output = Result<T, Failure>>,
+{
+    let mut negative_ttl = None;
+    for name in names {
+        match ask(name.clone()).await {
+            Ok(found) => return Ok((found, name)),
+            Err(Failure::NoRecords { negative_ttl: ttl }) => {
+                negative_ttl = sooner(negative_ttl, ttl);
+            }
+            Err(failed) => return Err(failed),
+        }
+    }
+    Err(Failure::NoRecords { negative_ttl })
 }
 
 /// One name's state between refreshes.
@@ -373,6 +550,11 @@ struct NameState {
     target: DnsTarget,
     /// The name's last good engines (`None` before any answer).
     last: Option<Vec<EndpointSpec>>,
+    /// The fully qualified name that first answered with records (the target's name
+    /// itself, or under a search domain): the only one asked from then on, so that
+    /// the search list is walked once, not at each refresh, and a failure of the name
+    /// that answers cannot pass for another's "no such name".
+    pinned: Option<Name>,
     /// When to resolve it next.
     due: Instant,
     /// Failed lookups in a row.
@@ -397,7 +579,7 @@ type Lookup = Pin<Box<dyn Future<Output = (usize, Result<Resolved, Failure>)> + 
 /// are the operator's configured names, a few): a lookup waiting out the timeout holds
 /// no other name's refresh back, and each outcome is published as it comes.
 struct Refresher {
-    resolver: TokioResolver,
+    dns: Dns,
     config: DnsConfig,
     publisher: SpecPublisher,
     names: Vec<NameState>,
@@ -406,6 +588,32 @@ struct Refresher {
 }
 
 impl Refresher {
+    fn new(dns: Dns, config: DnsConfig, publisher: SpecPublisher) -> Refresher {
+        let names: Vec<NameState> = config
+            .targets
+            .iter()
+            .cloned()
+            .map(|target| NameState {
+                target,
+                last: None,
+                pinned: None,
+                due: Instant::now(),
+                failures: 0,
+                looking_up: false,
+            })
+            .collect();
+        // A wait past any clock's reach is no wait's end (Duration::MAX would overflow).
+        let first_list_by = Instant::now().checked_add(config.first_list_wait);
+        Refresher {
+            dns,
+            config,
+            publisher,
+            names,
+            first_list_by,
+            lookups: FuturesUnordered::new(),
+        }
+    }
+
     async fn run(mut self) {
         while !self.publisher.is_closed() {
             self.step().await;
@@ -450,17 +658,18 @@ impl Refresher {
         }
         // Each refresh asks the server: the resolver's cache would answer within the TTL
         // (or past it, for a bound shorter than the TTL) with what it already has.
-        self.resolver.clear_cache();
+        self.dns.resolver.clear_cache();
         let max = self.config.max_endpoints;
         for (i, state) in self.names.iter_mut().enumerate() {
             if !due(state) {
                 continue;
             }
             state.looking_up = true;
-            let resolver = self.resolver.clone();
+            let dns = self.dns.clone();
             let target = state.target.clone();
+            let pinned = state.pinned.clone();
             self.lookups.push(Box::pin(async move {
-                (i, resolve(&resolver, &target, max).await)
+                (i, resolve(&dns, &target, pinned, max).await)
             }));
         }
     }
@@ -474,8 +683,13 @@ impl Refresher {
         state.looking_up = false;
         let bound = |d: Duration| d.clamp(config.min_refresh, config.max_refresh);
         match outcome {
-            Ok(Resolved { specs, ttl }) => {
+            Ok(Resolved {
+                specs,
+                ttl,
+                answered,
+            }) => {
                 state.last = Some(specs);
+                state.pinned = state.pinned.take().or(answered);
                 state.failures = 0;
                 state.due = Instant::now() + bound(ttl);
             }
@@ -533,16 +747,19 @@ fn dedup(mut specs: Vec<EndpointSpec>) -> Vec<EndpointSpec> {
     specs
 }
 
-/// A successful resolution: the engines and how long the answer is valid.
+/// A successful resolution: the engines, how long the answer is valid, and the fully
+/// qualified name that answered (`None` for an address written as the name).
 struct Resolved {
     specs: Vec<EndpointSpec>,
     ttl: Duration,
+    answered: Option<Name>,
 }
 
+#[derive(Debug)]
 enum Failure {
-    /// An answer without records.
+    /// An answer without records: NXDOMAIN, or no records of the type asked.
     NoRecords { negative_ttl: Option<u32> },
-    /// No answer.
+    /// No answer, or an answer that is no clean negative one (SERVFAIL, refused).
     Lookup(NetError),
     /// Answers that name more engines than the ceiling (found so far when it stopped).
     TooMany { found: usize, max: usize },
@@ -563,9 +780,16 @@ impl std::fmt::Display for Failure {
 }
 
 impl From<NetError> for Failure {
+    /// A clean negative answer (NXDOMAIN, or no error and no records) is
+    /// [`Failure::NoRecords`]; anything else is a failed lookup.
     fn from(e: NetError) -> Self {
         match &e {
-            NetError::Dns(hickory_resolver::net::DnsError::NoRecordsFound(no)) => {
+            NetError::Dns(hickory_resolver::net::DnsError::NoRecordsFound(no))
+                if matches!(
+                    no.response_code,
+                    ResponseCode::NXDomain | ResponseCode::NoError
+                ) =>
+            {
                 Failure::NoRecords {
                     negative_ttl: no.negative_ttl,
                 }
@@ -575,44 +799,71 @@ impl From<NetError> for Failure {
     }
 }
 
+/// Resolves `target`: through its `pinned` name when it has one, else walking the
+/// names it may stand for ([`Dns::candidates`], [`first_answer`]).
 async fn resolve(
-    resolver: &TokioResolver,
+    dns: &Dns,
     target: &DnsTarget,
+    pinned: Option<Name>,
     max: usize,
 ) -> Result<Resolved, Failure> {
     let too_many = |found: usize| (found > max).then_some(Failure::TooMany { found, max });
+    let names = |name: &str| match &pinned {
+        Some(pinned) => Ok(vec![pinned.clone()]),
+        None => dns.candidates(name),
+    };
     match &target.name {
         DnsName::Host { name, port } => {
-            let (ips, valid_until) = lookup_ip(resolver, name).await?;
+            // An address written as the name is its one engine (as the resolver has it).
+            if let Ok(ip) = name.parse::<IpAddr>() {
+                return Ok(Resolved {
+                    specs: vec![spec(target, ip, *port)],
+                    ttl: Duration::MAX,
+                    answered: None,
+                });
+            }
+            let ((ips, valid_until), answered) =
+                first_answer(names(name)?, |n| async move { dns.addresses(&n).await }).await?;
             if let Some(e) = too_many(ips.len()) {
                 return Err(e);
             }
             Ok(Resolved {
                 specs: ips.into_iter().map(|ip| spec(target, ip, *port)).collect(),
                 ttl: valid_until.saturating_duration_since(Instant::now()),
+                answered: Some(answered),
             })
         }
         DnsName::Srv(name) => {
-            let lookup = resolver.srv_lookup(name.as_str()).await?;
-            let mut valid_until = Instant::from_std(lookup.valid_until());
-            let records: Vec<_> = lookup
-                .answers()
-                .iter()
-                .filter_map(|r| match &r.data {
-                    RData::SRV(srv) => Some(srv.clone()),
-                    _ => None,
-                })
-                .collect();
+            let ((records, valid_until), answered) = first_answer(names(name)?, |n| async move {
+                let lookup = dns.resolver.srv_lookup(n).await?;
+                let records: Vec<_> = lookup
+                    .answers()
+                    .iter()
+                    .filter_map(|r| match &r.data {
+                        RData::SRV(srv) => Some(srv.clone()),
+                        _ => None,
+                    })
+                    .collect();
+                if records.is_empty() {
+                    return Err(Failure::NoRecords { negative_ttl: None });
+                }
+                Ok((records, Instant::from_std(lookup.valid_until())))
+            })
+            .await?;
+            let mut valid_until = valid_until;
             let Some(best) = records.iter().map(|s| s.priority).min() else {
                 return Err(Failure::NoRecords { negative_ttl: None });
             };
             // Each target and port once (the first record's weight), at most
-            // MAX_SRV_TARGETS of them.
-            let mut targets: Vec<(String, u16, u16)> = Vec::new();
+            // MAX_SRV_TARGETS of them. The targets are fully qualified names: asked as
+            // they are.
+            let mut targets: Vec<(Name, u16, u16)> = Vec::new();
             let mut named = std::collections::HashSet::new();
             let mut cut = 0usize;
             for srv in records.iter().filter(|s| s.priority == best) {
-                let key = (srv.target.to_lowercase().to_utf8(), srv.port);
+                let mut host = srv.target.to_lowercase();
+                host.set_fqdn(true);
+                let key = (host, srv.port);
                 if named.contains(&key) {
                     continue;
                 }
@@ -638,7 +889,7 @@ async fn resolve(
             // named at several ports is still asked once: the resolver shares a query
             // under way among identical lookups, and answers later ones from its cache.
             let mut answers = in_order(targets, |(host, port, weight)| async move {
-                (lookup_ip(resolver, &host).await, port, weight)
+                (dns.addresses(&host).await, port, weight)
             });
             while let Some((answer, port, weight)) = answers.next().await {
                 // A target without addresses contributes nothing; one whose lookup
@@ -666,6 +917,7 @@ async fn resolve(
             Ok(Resolved {
                 specs,
                 ttl: valid_until.saturating_duration_since(Instant::now()),
+                answered: Some(answered),
             })
         }
     }
@@ -683,18 +935,6 @@ where
     futures::stream::iter(items)
         .map(lookup)
         .buffered(SRV_LOOKUPS_IN_FLIGHT)
-}
-
-async fn lookup_ip(
-    resolver: &TokioResolver,
-    name: &str,
-) -> Result<(Vec<IpAddr>, Instant), Failure> {
-    let lookup = resolver.lookup_ip(name).await?;
-    let ips: Vec<IpAddr> = lookup.iter().collect();
-    if ips.is_empty() {
-        return Err(Failure::NoRecords { negative_ttl: None });
-    }
-    Ok((ips, Instant::from_std(lookup.valid_until())))
 }
 
 /// The routing weight of an SRV record's engines: its weight, and 0.01 for a weight of
@@ -726,6 +966,221 @@ fn spec(target: &DnsTarget, ip: IpAddr, port: u16) -> EndpointSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hickory_resolver::proto::op::{Message, ResponseCode};
+    use hickory_resolver::proto::rr::rdata::A;
+    use hickory_resolver::proto::rr::{Record, RecordType};
+    use std::collections::HashMap;
+    use std::net::Ipv4Addr;
+    use std::sync::{Arc, Mutex};
+
+    /// How [`TestServer`] answers a name's queries.
+    #[derive(Clone, Copy)]
+    enum Reply {
+        /// An A record (TTL 0); no AAAA record.
+        A(Ipv4Addr),
+        /// No answer: the query times out.
+        Silent,
+    }
+
+    /// A DNS server on a loopback UDP port: each name of `zone` answered as it says,
+    /// any other name NXDOMAIN; the names asked are logged, in order.
+    struct TestServer {
+        addr: SocketAddr,
+        zone: Arc<Mutex<HashMap<String, Reply>>>,
+        asked: Arc<Mutex<Vec<String>>>,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    impl TestServer {
+        async fn start(zone: &[(&str, Reply)]) -> TestServer {
+            let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+            let addr = socket.local_addr().unwrap();
+            let zone: HashMap<String, Reply> =
+                zone.iter().map(|(n, r)| ((*n).to_owned(), *r)).collect();
+            let zone = Arc::new(Mutex::new(zone));
+            let asked = Arc::new(Mutex::new(Vec::new()));
+            let task = tokio::spawn({
+                let (zone, asked) = (zone.clone(), asked.clone());
+                async move {
+                    let mut buf = [0u8; 1500];
+                    while let Ok((n, from)) = socket.recv_from(&mut buf).await {
+                        let Ok(query) = Message::from_vec(&buf[..n]) else {
+                            continue;
+                        };
+                        let Some(q) = query.queries.first().cloned() else {
+                            continue;
+                        };
+                        let name = q.name().to_lowercase().to_utf8();
+                        asked.lock().unwrap().push(name.clone());
+                        let reply = zone.lock().unwrap().get(&name).copied();
+                        let mut answer =
+                            Message::response(query.metadata.id, query.metadata.op_code);
+                        answer.metadata.recursion_desired = query.metadata.recursion_desired;
+                        answer.metadata.recursion_available = true;
+                        answer.add_query(q.clone());
+                        match reply {
+                            Some(Reply::Silent) => continue,
+                            Some(Reply::A(ip)) => {
+                                if q.query_type() == RecordType::A {
+                                    answer.add_answer(Record::from_rdata(
+                                        q.name().clone(),
+                                        0,
+                                        RData::A(A(ip)),
+                                    ));
+                                }
+                            }
+                            None => answer.metadata.response_code = ResponseCode::NXDomain,
+                        }
+                        if let Ok(bytes) = answer.to_vec() {
+                            let _ = socket.send_to(&bytes, from).await;
+                        }
+                    }
+                }
+            });
+            TestServer {
+                addr,
+                zone,
+                asked,
+                task,
+            }
+        }
+
+        fn set(&self, name: &str, reply: Reply) {
+            self.zone.lock().unwrap().insert(name.to_owned(), reply);
+        }
+
+        /// The names asked since the last call.
+        fn asked(&self) -> Vec<String> {
+            std::mem::take(&mut *self.asked.lock().unwrap())
+        }
+    }
+
+    impl Drop for TestServer {
+        fn drop(&mut self) {
+            self.task.abort();
+        }
+    }
+
+    /// DNS discovery asking `server`, with `search` as its search list and `ndots`, as
+    /// the system's configuration would give them.
+    fn dns_at(server: SocketAddr, search: &[&str], ndots: usize) -> (Dns, DnsConfig) {
+        let mut config = DnsConfig::new([DnsTarget::new(
+            "d.hole.test:8200".parse().unwrap(),
+            Role::Decode,
+        )]);
+        config.server = Some(server);
+        config.timeout = Duration::from_millis(300);
+        let mut dns = resolver(&config).unwrap();
+        dns.search = search.iter().map(|d| Name::from_utf8(d).unwrap()).collect();
+        dns.ndots = ndots;
+        (dns, config)
+    }
+
+    #[tokio::test]
+    async fn candidates_follow_ndots_and_the_search_list() {
+        let (dns, _) = dns_at(([127, 0, 0, 1], 53).into(), &["llm.svc.", "svc."], 5);
+        let names = |n: &str| -> Vec<String> {
+            match dns.candidates(n) {
+                Ok(names) => names.iter().map(Name::to_utf8).collect(),
+                Err(e) => panic!("{n}: {e}"),
+            }
+        };
+        // Fewer than five dots: the search list first, the name itself last.
+        assert_eq!(
+            names("prefill"),
+            ["prefill.llm.svc.", "prefill.svc.", "prefill."]
+        );
+        // Fully qualified: only itself.
+        assert_eq!(names("prefill.llm.svc."), ["prefill.llm.svc."]);
+        let (dns, _) = dns_at(([127, 0, 0, 1], 53).into(), &["llm.svc."], 1);
+        // At least `ndots` dots: the name itself first.
+        assert_eq!(
+            dns.candidates("d.hole.test")
+                .unwrap()
+                .iter()
+                .map(Name::to_utf8)
+                .collect::<Vec<_>>(),
+            ["d.hole.test.", "d.hole.test.llm.svc."]
+        );
+    }
+
+    /// A name asked as it is first (enough dots) that times out, before a search-domain
+    /// name that does not exist: the lookup failed (the name's engines are kept), it
+    /// did not answer "no such name" (which would empty them). The walk stops at the
+    /// failure.
+    #[tokio::test]
+    async fn a_failure_on_one_name_of_the_search_list_fails_the_lookup() {
+        let server = TestServer::start(&[("d.hole.test.", Reply::Silent)]).await;
+        let (dns, config) = dns_at(server.addr, &["search.test."], 1);
+        let outcome = resolve(&dns, &config.targets[0], None, 100).await;
+        assert!(
+            matches!(outcome, Err(Failure::Lookup(_))),
+            "{}",
+            outcome.map_or_else(|e| e.to_string(), |_| "records".into())
+        );
+        let asked = server.asked();
+        assert!(
+            asked.iter().all(|n| n == "d.hole.test."),
+            "the walk stopped at the failure: {asked:?}"
+        );
+        // Each name of the list answering "no such name": the name has no engines.
+        server.set("d.hole.test.", Reply::A(Ipv4Addr::LOCALHOST));
+        let (dns, mut config) = dns_at(server.addr, &["search.test."], 1);
+        config.targets[0].name = "e.hole.test:8200".parse().unwrap();
+        let outcome = resolve(&dns, &config.targets[0], None, 100).await;
+        assert!(matches!(outcome, Err(Failure::NoRecords { .. })));
+        assert_eq!(
+            server.asked(),
+            [
+                "e.hole.test.",
+                "e.hole.test.",
+                "e.hole.test.search.test.",
+                "e.hole.test.search.test."
+            ]
+        );
+    }
+
+    /// The fully qualified name that first answered is the one asked from then on: a
+    /// name earlier in the search walk that later fails (here the name as written, timing
+    /// out) is not asked again, and fails nothing.
+    #[tokio::test]
+    async fn the_name_that_answered_is_pinned() {
+        let server = TestServer::start(&[(
+            "d.hole.test.search.test.",
+            Reply::A(Ipv4Addr::new(127, 0, 0, 5)),
+        )])
+        .await;
+        let (dns, config) = dns_at(server.addr, &["search.test."], 1);
+        let (publisher, _source) = SpecSource::channel("dns");
+        let mut refresher = Refresher::new(dns, config, publisher);
+        let refresh = async |r: &mut Refresher| {
+            r.names[0].due = Instant::now();
+            r.start_due();
+            let (i, outcome) = r.lookups.next().await.unwrap();
+            r.settle(i, outcome);
+        };
+        refresh(&mut refresher).await;
+        let state = &refresher.names[0];
+        let urls = |s: &NameState| -> Vec<String> {
+            s.last.iter().flatten().map(|e| e.url.clone()).collect()
+        };
+        assert_eq!(urls(state), ["http://127.0.0.5:8200"]);
+        assert_eq!(
+            state.pinned.as_ref().map(Name::to_utf8).as_deref(),
+            Some("d.hole.test.search.test.")
+        );
+        assert!(server.asked().contains(&"d.hole.test.".to_owned()));
+        // The name as written now times out: not asked, so no failure.
+        server.set("d.hole.test.", Reply::Silent);
+        refresh(&mut refresher).await;
+        let state = &refresher.names[0];
+        assert_eq!(state.failures, 0);
+        assert_eq!(urls(state), ["http://127.0.0.5:8200"]);
+        assert_eq!(
+            server.asked(),
+            ["d.hole.test.search.test.", "d.hole.test.search.test."]
+        );
+    }
 
     #[test]
     fn names_parse() {

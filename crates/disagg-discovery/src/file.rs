@@ -27,7 +27,13 @@
 //! # Reloading
 //!
 //! The file is polled (every second by default): read whole and compared with what was
-//! read before, so a change is in force within about one interval. Polling, rather than
+//! read before. A change is taken once the file reads the same again after
+//! [`FileConfig::settle`] (100 ms by default): a file rewritten in place (`>`
+//! redirection, `kubectl cp`: truncated, then written) can be read empty, or cut
+//! between two entries, and such a read, valid as it may be, would remove engines for
+//! a poll interval. A change is thus in force within about one interval and the settle
+//! delay; a file that never reads the same twice in a row is not taken until it does.
+//! The first read, at start, is taken as it is. Polling, rather than
 //! inotify through the `notify` crate, because the ways such a file is replaced defeat a
 //! watch on the file itself: a Kubernetes ConfigMap volume swaps a `..data` symlink to a
 //! new directory, and editors save by renaming a new file over the old one; both leave
@@ -38,7 +44,8 @@
 //! # Failures keep the last good list
 //!
 //! - An edit that does not parse, or names an engine that makes no endpoint (a bad URL,
-//!   a link-local or cloud metadata address, a decode with a bootstrap port, an LMCache
+//!   one longer than [`MAX_URL_BYTES`](crate::spec::MAX_URL_BYTES) (2 KiB: checked
+//!   once, before anything is made per rank), a link-local or cloud metadata address, a decode with a bootstrap port, an LMCache
 //!   receiver whose port lists differ, a `kv_events` that is not `tcp://HOST:PORT`, a
 //!   connector name past [`MAX_CONNECTOR_NAME_BYTES`](crate::MAX_CONNECTOR_NAME_BYTES)
 //!   bytes), or lists one engine twice, is refused whole: the last good list stays, the
@@ -106,8 +113,14 @@ pub struct FileConfig {
     /// The TOML file.
     pub path: PathBuf,
     /// How often the file is read and compared: 1 s by default, so that a change is in
-    /// force within 2 s.
+    /// force within 2 s. Zero is refused ([`FileError::PollInterval`]).
     pub poll_interval: Duration,
+    /// How long after a read that found the file changed it is read again, to be taken
+    /// only if both reads are the same (a file caught mid-write is not): 100 ms by
+    /// default. A writer pausing longer than this between truncating the file and
+    /// finishing it can still be caught; an atomic replacement (a new file renamed over
+    /// it, as editors and ConfigMap volumes do) never is.
+    pub settle: Duration,
     /// The source's name in metrics and logs ([`SOURCE_NAME`] by default).
     pub name: String,
     /// The ceilings and the address rule the file's engines are held to (ranks per
@@ -124,6 +137,7 @@ impl FileConfig {
         FileConfig {
             path: path.into(),
             poll_interval: Duration::from_secs(1),
+            settle: Duration::from_millis(100),
             name: SOURCE_NAME.to_owned(),
             bounds: Bounds::default(),
             read_timeout: Duration::from_secs(5),
@@ -174,6 +188,9 @@ pub enum FileError {
     /// and [`MAX_MODEL_NAME_BYTES`] allow.
     #[error("endpoints file over its ceiling: {0}")]
     OverLimit(String),
+    /// [`FileConfig::poll_interval`] is zero.
+    #[error("the endpoints file's poll interval must be longer than zero")]
+    PollInterval,
 }
 
 /// Parses the text of an endpoints file into specs (prefill first, in file order),
@@ -185,7 +202,8 @@ pub enum FileError {
 /// # Errors
 ///
 /// [`FileError::Invalid`] naming the first problem: TOML syntax, an unknown key, a bad
-/// URL (a link-local or cloud metadata address included), ranks, weight, KV profile or
+/// URL (a link-local or cloud metadata address included, or one longer than
+/// [`MAX_URL_BYTES`](crate::spec::MAX_URL_BYTES)), ranks, weight, KV profile or
 /// LMCache receiver, KV-events endpoint or connector name, a bootstrap port on an engine
 /// other than a prefill or an LMCache receiver on one other than a decode (as a named
 /// key or in `facts`), or one engine listed twice for one role (its URL, however
@@ -242,6 +260,8 @@ pub fn parse_within(text: &str, bounds: &Bounds) -> Result<Vec<EndpointSpec>, Fi
                 return Err(FileError::OverLimit(format!("{place}: model: {e}")));
             }
             let spec = entry.into_spec(role).map_err(invalid)?;
+            // The URL measured before any copy of it is made.
+            spec.check_url_len().map_err(|e| invalid(e.to_string()))?;
             // The ranks are counted before an endpoint is made for each of them.
             if let Some(ranks) = spec.ranks {
                 ranks
@@ -265,6 +285,9 @@ pub fn parse_within(text: &str, bounds: &Bounds) -> Result<Vec<EndpointSpec>, Fi
     }
     // Each entry checked as it will be built: every endpoint made is within bounds now.
     let mut places = [0usize; 3];
+    // Each engine (role and identity) once, numbered; each endpoint as its engine's
+    // number and its rank: no id is written out per rank.
+    let mut engines = std::collections::HashMap::new();
     let mut endpoints = std::collections::HashSet::new();
     for spec in &specs {
         let (table, k) = (
@@ -274,9 +297,20 @@ pub fn parse_within(text: &str, bounds: &Bounds) -> Result<Vec<EndpointSpec>, Fi
         places[k] += 1;
         let invalid =
             |what: String| FileError::Invalid(format!("[[{table}]] #{}: {what}", places[k]));
+        // The URL checked once (its length, its address) before anything per rank.
+        spec.check_url(bounds).map_err(|e| invalid(e.to_string()))?;
         // A rank in two entries (`ranks = "0-1"` beside `URL@1`) is listed twice too.
-        for id in spec.endpoint_urls() {
-            if !endpoints.insert((table, identity_or_id(&id))) {
+        let (engine, ranks) = spec.endpoint_keys();
+        let next = engines.len();
+        let engine = *engines.entry((table, engine)).or_insert(next);
+        for rank in ranks {
+            if !endpoints.insert((engine, rank)) {
+                let id = match (spec.ranks, rank) {
+                    (Some(_), Some(rank)) => {
+                        format!("{}@{rank}", spec.url.trim_end_matches('/'))
+                    }
+                    _ => spec.url.clone(),
+                };
                 return Err(invalid(format!("{id} is listed twice")));
             }
         }
@@ -546,12 +580,16 @@ async fn read(config: &FileConfig, reader: &TimedReader) -> Result<Vec<u8>, File
 ///
 /// # Errors
 ///
-/// [`FileError`] when the file cannot be read or is invalid now.
+/// [`FileError`] when the file cannot be read or is invalid now, or the poll interval
+/// is zero ([`FileError::PollInterval`]).
 ///
 /// # Panics
 ///
 /// When called outside a tokio runtime.
 pub async fn spawn(config: FileConfig) -> Result<SpecSource, FileError> {
+    if config.poll_interval.is_zero() {
+        return Err(FileError::PollInterval);
+    }
     let reader = TimedReader::new();
     let (bytes, specs) = load(&config, &reader).await?;
     let (publisher, source) = SpecSource::channel(config.name.as_str());
@@ -593,6 +631,16 @@ async fn poll(config: FileConfig, publisher: SpecPublisher, bytes: Vec<u8>, read
             }
         };
         if matches!(&seen, Seen::Content(b) if *b == bytes) {
+            continue;
+        }
+        // A change, taken once it reads the same again after the settle delay: a file
+        // caught while it is rewritten in place (empty, or cut between entries) is not
+        // published. Another content, or none, is looked at by the next poll.
+        tokio::time::sleep(config.settle).await;
+        if !read(&config, &reader)
+            .await
+            .is_ok_and(|again| again == bytes)
+        {
             continue;
         }
         match parse_blocking(&bytes, config.bounds).await {
@@ -943,6 +991,24 @@ mod tests {
         );
         let err = parse(&entry("fd00::1:7300:7400")).unwrap_err().to_string();
         assert!(err.contains("brackets"), "{err}");
+    }
+
+    /// A URL past [`MAX_URL_BYTES`](crate::spec::MAX_URL_BYTES) refuses the file as it
+    /// is read, before anything is made per rank: a 64 KiB URL with 1,024 ranks would be
+    /// written out once per rank (twice, with its identity) before the core refused it.
+    /// The error names the entry and the ceiling, not the URL.
+    #[test]
+    fn an_over_long_url_refuses_the_file_before_its_ranks_are_expanded() {
+        let url = format!("http://{}:1", "a".repeat(64 * 1024));
+        let text = format!("[[decode]]\nurl = \"{url}\"\nranks = \"0-1023\"\n");
+        let err = parse(&text).unwrap_err();
+        let shown = err.to_string();
+        assert!(matches!(err, FileError::Invalid(_)), "{shown}");
+        assert!(
+            shown.contains("[[decode]] #1") && shown.contains("2048"),
+            "{shown}"
+        );
+        assert!(shown.len() < 1024, "the URL is not quoted whole");
     }
 
     #[test]

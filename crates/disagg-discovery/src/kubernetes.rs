@@ -44,10 +44,14 @@
 //! Gone`) relists. Errors back off exponentially (kube-rs's default backoff, 0.8 s to
 //! 30 s) and are counted ([`SourceStats::errors`](crate::SourceStats::errors)); the
 //! reflector's store keeps the last good pods meanwhile, and a relist replaces them only
-//! once it is complete. The source publishes its first list once every selector's first
-//! list is complete; so that a selector the API server refuses (`400 Bad Request`, on
-//! every retry) cannot hold back the other roles' pods, every selector is checked
-//! against Kubernetes' label-selector syntax at start ([`spawn`],
+//! once it is complete. A watch the server ends within 5 s of its request (or half its
+//! `timeoutSeconds`, if less) right after another did (a gateway closing each watch at
+//! once) is an error too, counted and backed off as one, rather than reopened at once
+//! without end; a lone one (a server restarting) is reopened at once, and a longer watch
+//! or a list starts the count over. The source publishes its first list once every
+//! selector's first list is complete; so that a selector the API server refuses (`400
+//! Bad Request`, on every retry) cannot hold back the other roles' pods, every selector
+//! is checked against Kubernetes' label-selector syntax at start ([`spawn`],
 //! [`KubernetesError::Selector`]).
 //!
 //! No request waits for ever: [`spawn`]'s client gives up a connection on which the API
@@ -78,6 +82,9 @@
 //! an error too). Pods making more endpoints than `max_endpoints`, ranks counted, are not
 //! published (specs are made up to the first endpoint past it): the last good list
 //! stays, the refusal logged and counted once until a list within it is published.
+//! Before that, a pod with more data-parallel ranks than [`KubernetesConfig::max_ranks`],
+//! or a rank not below it, is left out alone (logged, counted as rejected): its ranks
+//! never count toward `max_endpoints`.
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
@@ -88,7 +95,7 @@ use std::time::Duration;
 use disagg_core::Role;
 use disagg_core::endpoint::Facts;
 use disagg_pairing::KvProfile;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use kube::Api;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::watcher;
@@ -98,7 +105,9 @@ use crate::spec::{EndpointSpec, Ranks, lmcache_receiver, model_names, parse_kv_r
 
 mod bounds;
 mod held;
+mod pace;
 mod pod;
+mod selector;
 pub use pod::{
     EngineContainer, EngineContainerPort, EnginePod, EnginePodCondition, EnginePodSpec,
     EnginePodStatus,
@@ -245,6 +254,13 @@ pub struct KubernetesConfig {
     /// (see [Ceilings on the pods](self#ceilings-on-the-pods)). Give it the
     /// [`MergedSource`](crate::MergedSource)'s `Bounds::max_endpoints`.
     pub max_endpoints: usize,
+    /// The most data-parallel ranks one pod may have, each rank below it
+    /// (`--max-dp-ranks`, 1,024 by default,
+    /// [`DEFAULT_MAX_DP_RANKS`](crate::DEFAULT_MAX_DP_RANKS)): a pod whose
+    /// [`DP_RANKS`] annotation passes it is left out, logged and counted as rejected,
+    /// before its ranks count toward [`max_endpoints`](Self::max_endpoints). Give it the
+    /// [`MergedSource`](crate::MergedSource)'s `Bounds::max_ranks`.
+    pub max_ranks: u32,
     /// The source's name in metrics and logs ([`SOURCE_NAME`] by default).
     pub name: String,
 }
@@ -267,6 +283,7 @@ impl KubernetesConfig {
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
             page_size: DEFAULT_PAGE_SIZE,
             max_endpoints: crate::DEFAULT_MAX_ENDPOINTS_PER_SOURCE,
+            max_ranks: crate::DEFAULT_MAX_DP_RANKS,
             name: SOURCE_NAME.to_owned(),
         }
     }
@@ -379,6 +396,7 @@ fn bounded_client(
 /// [`request_timeout`](KubernetesConfig::request_timeout) and
 /// [`max_response_bytes`](KubernetesConfig::max_response_bytes) are not used: the client's
 /// own bounds apply (kube-rs's default client has no read timeout and no byte ceiling).
+/// Its watches are paced as [`spawn`]'s are (see [Watching](self#watching)).
 ///
 /// # Errors
 ///
@@ -400,7 +418,6 @@ pub fn spawn_with_client(
         .namespace
         .clone()
         .unwrap_or_else(|| client.default_namespace().to_owned());
-    let api: Api<EnginePod> = Api::namespaced(client, &namespace);
     let mut watched = Vec::new();
     let mut streams = Vec::new();
     for (role, selector) in [
@@ -417,16 +434,12 @@ pub fn spawn_with_client(
         }
         let (reader, writer) = reflector::store();
         let index = watched.len();
+        // Each selector's own client: its watches paced apart from the others'.
+        let api = Api::namespaced(pace::paced(client.clone()), &namespace);
         streams.push(
-            held::pod_events(
-                api.clone(),
-                wc,
-                held::max_pods(&config),
-                reader.clone(),
-                writer,
-            )
-            .map(move |event| (index, event))
-            .boxed(),
+            held::pod_events(api, wc, held::max_pods(&config), reader.clone(), writer)
+                .map(move |event| (index, event))
+                .boxed(),
         );
         watched.push(Watched {
             role,
@@ -447,7 +460,7 @@ pub fn spawn_with_client(
 }
 
 /// Checks that `config` has a selector and that each is of Kubernetes' label-selector
-/// syntax ([`check_selector`]).
+/// syntax ([`selector::check_selector`]).
 fn check_selectors(config: &KubernetesConfig) -> Result<(), KubernetesError> {
     let selectors = [
         (Role::Prefill, &config.prefill_selector),
@@ -459,7 +472,7 @@ fn check_selectors(config: &KubernetesConfig) -> Result<(), KubernetesError> {
     }
     for (role, selector) in selectors {
         if let Some(selector) = selector {
-            check_selector(selector).map_err(|reason| KubernetesError::Selector {
+            selector::check_selector(selector).map_err(|reason| KubernetesError::Selector {
                 role,
                 selector: selector.clone(),
                 reason,
@@ -467,239 +480,6 @@ fn check_selectors(config: &KubernetesConfig) -> Result<(), KubernetesError> {
         }
     }
     Ok(())
-}
-
-/// Checks `selector` against Kubernetes' label-selector syntax, as the API server
-/// parses a `labelSelector` (apimachinery's `labels.Parse`): requirements separated
-/// by `,`, each one of `KEY`, `!KEY`, `KEY=VALUE`, `KEY==VALUE`, `KEY!=VALUE`,
-/// `KEY in (V1,V2...)`, `KEY notin (V1,V2...)`, `KEY>N` and `KEY<N` (N an integer),
-/// with spaces allowed between the parts. A KEY is `[PREFIX/]NAME`: NAME 1 to 63
-/// characters of letters, digits, `-`, `_` and `.`, beginning and ending with a letter
-/// or digit; PREFIX a lowercase DNS subdomain of at most 253 characters. A VALUE is
-/// empty or as a NAME. An empty selector selects every pod.
-///
-/// # Errors
-///
-/// What is wrong, naming the part.
-fn check_selector(selector: &str) -> Result<(), String> {
-    let tokens = selector_tokens(selector)?;
-    let mut tokens = tokens.iter().peekable();
-    if tokens.peek().is_none() {
-        return Ok(());
-    }
-    loop {
-        match tokens.next() {
-            Some(Token::Not) => match tokens.next() {
-                Some(Token::Word(key)) => check_key(key)?,
-                other => return Err(format!("expected a key after `!`, found {}", shown(other))),
-            },
-            Some(Token::Word(key)) => {
-                check_key(key)?;
-                match tokens.peek() {
-                    None | Some(Token::Comma) => {}
-                    Some(Token::Eq | Token::DoubleEq | Token::NotEq) => {
-                        tokens.next();
-                        match tokens.peek() {
-                            None | Some(Token::Comma) => {}
-                            Some(Token::Word(value)) => {
-                                check_value(value)?;
-                                tokens.next();
-                            }
-                            other => {
-                                return Err(format!(
-                                    "expected a value after the operator, found {}",
-                                    shown(other.copied())
-                                ));
-                            }
-                        }
-                    }
-                    Some(Token::Gt | Token::Lt) => {
-                        tokens.next();
-                        match tokens.next() {
-                            Some(Token::Word(n)) if n.parse::<i64>().is_ok() => {}
-                            other => {
-                                return Err(format!(
-                                    "expected an integer after `>` or `<`, found {}",
-                                    shown(other)
-                                ));
-                            }
-                        }
-                    }
-                    Some(Token::Word(op)) if *op == "in" || *op == "notin" => {
-                        tokens.next();
-                        values(&mut tokens, op)?;
-                    }
-                    other => {
-                        return Err(format!(
-                            "expected `=`, `==`, `!=`, `in`, `notin`, `>`, `<`, `,` or the end after key `{key}`, found {}",
-                            shown(other.copied())
-                        ));
-                    }
-                }
-            }
-            other => return Err(format!("expected a key or `!KEY`, found {}", shown(other))),
-        }
-        match tokens.next() {
-            None => return Ok(()),
-            Some(Token::Comma) if tokens.peek().is_some() => {}
-            Some(Token::Comma) => return Err("a `,` ends the selector".into()),
-            other => return Err(format!("expected `,` or the end, found {}", shown(other))),
-        }
-    }
-}
-
-/// `(V1, V2...)` after `in` or `notin`: values, possibly empty, separated by `,`.
-fn values<'a>(
-    tokens: &mut std::iter::Peekable<impl Iterator<Item = &'a Token<'a>>>,
-    op: &str,
-) -> Result<(), String> {
-    match tokens.next() {
-        Some(Token::Open) => {}
-        other => return Err(format!("expected `(` after `{op}`, found {}", shown(other))),
-    }
-    // After `(` or `,`: a value or not, then `,` or `)`.
-    loop {
-        if let Some(Token::Word(value)) = tokens.peek() {
-            check_value(value)?;
-            tokens.next();
-        }
-        match tokens.next() {
-            Some(Token::Comma) => {}
-            Some(Token::Close) => return Ok(()),
-            other => {
-                return Err(format!(
-                    "expected `,` or `)` in `{op} (...)`, found {}",
-                    shown(other)
-                ));
-            }
-        }
-    }
-}
-
-/// One token of a label selector.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Token<'a> {
-    /// A key, a value, `in` or `notin`: a run of characters that are neither spaces nor
-    /// one of `!=(),<>`.
-    Word(&'a str),
-    Not,
-    Eq,
-    DoubleEq,
-    NotEq,
-    Gt,
-    Lt,
-    Open,
-    Close,
-    Comma,
-}
-
-/// How a token (or the end) is named in an error.
-fn shown(token: Option<&Token<'_>>) -> String {
-    match token {
-        None => "the end".into(),
-        Some(Token::Word(w)) => format!("`{w}`"),
-        Some(t) => format!(
-            "`{}`",
-            match t {
-                Token::Not => "!",
-                Token::Eq => "=",
-                Token::DoubleEq => "==",
-                Token::NotEq => "!=",
-                Token::Gt => ">",
-                Token::Lt => "<",
-                Token::Open => "(",
-                Token::Close => ")",
-                _ => ",",
-            }
-        ),
-    }
-}
-
-/// `selector`'s tokens, as apimachinery's lexer reads them.
-fn selector_tokens(selector: &str) -> Result<Vec<Token<'_>>, String> {
-    const SPECIAL: &[u8] = b"!=(),<>";
-    let bytes = selector.as_bytes();
-    let mut tokens = Vec::new();
-    let mut i = 0;
-    while i < bytes.len() {
-        let b = bytes[i];
-        let next = bytes.get(i + 1).copied();
-        let (token, len) = match b {
-            b if b.is_ascii_whitespace() => {
-                i += 1;
-                continue;
-            }
-            b'!' if next == Some(b'=') => (Token::NotEq, 2),
-            b'!' => (Token::Not, 1),
-            b'=' if next == Some(b'=') => (Token::DoubleEq, 2),
-            b'=' => (Token::Eq, 1),
-            b'(' => (Token::Open, 1),
-            b')' => (Token::Close, 1),
-            b',' => (Token::Comma, 1),
-            b'<' => (Token::Lt, 1),
-            b'>' => (Token::Gt, 1),
-            _ => {
-                let len = bytes[i..]
-                    .iter()
-                    .position(|c| c.is_ascii_whitespace() || SPECIAL.contains(c))
-                    .unwrap_or(bytes.len() - i);
-                // Split at ASCII bytes only: `i..i + len` are character boundaries.
-                let word = selector.get(i..i + len).ok_or("not UTF-8 boundaries")?;
-                (Token::Word(word), len)
-            }
-        };
-        tokens.push(token);
-        i += len;
-    }
-    Ok(tokens)
-}
-
-/// A label key: `[PREFIX/]NAME`.
-fn check_key(key: &str) -> Result<(), String> {
-    let (prefix, name) = match key.split_once('/') {
-        Some((prefix, name)) => (Some(prefix), name),
-        None => (None, key),
-    };
-    if let Some(prefix) = prefix {
-        let label = |l: &str| {
-            (1..=63).contains(&l.len())
-                && l.bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-        };
-        if prefix.len() > 253 || !prefix.split('.').all(label) {
-            return Err(format!(
-                "key `{key}`: the prefix before `/` must be a lowercase DNS subdomain of at most 253 characters"
-            ));
-        }
-    }
-    if name.is_empty() || !is_label_name(name) {
-        return Err(format!(
-            "key `{key}`: a name is 1 to 63 letters, digits, `-`, `_` and `.`, beginning and ending with a letter or digit"
-        ));
-    }
-    Ok(())
-}
-
-/// A label value: empty, or as a name.
-fn check_value(value: &str) -> Result<(), String> {
-    if !value.is_empty() && !is_label_name(value) {
-        return Err(format!(
-            "value `{value}`: a value is at most 63 letters, digits, `-`, `_` and `.`, beginning and ending with a letter or digit"
-        ));
-    }
-    Ok(())
-}
-
-/// 1 to 63 characters of `[A-Za-z0-9_.-]`, beginning and ending with a letter or digit.
-fn is_label_name(s: &str) -> bool {
-    let ends = |b: Option<u8>| b.is_some_and(|b| b.is_ascii_alphanumeric());
-    (1..=63).contains(&s.len())
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-        && ends(s.bytes().next())
-        && ends(s.bytes().last())
 }
 
 /// Every selector's watch events, tagged with the index of its [`Watched`].
@@ -716,6 +496,10 @@ struct Watched {
     listed: bool,
 }
 
+/// The most events taken together before one publish ([`run`]): a steady flood of
+/// events still publishes between them.
+const COALESCED_EVENTS: usize = 1024;
+
 async fn run(
     config: KubernetesConfig,
     publisher: SpecPublisher,
@@ -729,36 +513,56 @@ async fn run(
         if publisher.is_closed() {
             return;
         }
-        match event {
-            Ok(watcher::Event::InitDone) => {
-                watched[index].listed = true;
-            }
-            Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_)) => {}
-            // A list in progress: the store swaps it in at InitDone.
-            Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => continue,
-            Err(watcher::Error::WatchError(status)) if status.code == 410 => {
-                // Expected: the server no longer has the version the watch resumed
-                // from. The watcher relists; the store keeps the pods until then.
-                tracing::debug!(selector = %watched[index].selector, "watch expired (410 Gone); relisting");
-                continue;
-            }
-            Err(e) => {
-                let selector = &watched[index].selector;
-                match held::refused(&e) {
-                    Some(why @ held::Refused::TooManyPods(_)) => {
-                        tracing::warn!(%selector, error = %why, "kubernetes pods refused: over the ceiling");
-                        publisher.record_over_limit();
-                    }
-                    _ => {
-                        tracing::warn!(%selector, error = %e, "kubernetes watch failed; keeping the last good pods and retrying");
-                        publisher.record_error();
-                    }
-                }
-                continue;
-            }
+        let mut changed = take(&mut watched, &publisher, index, event);
+        // The events already queued (a burst of changes, a watch's replay) are taken
+        // before the pods are published once: specs are made for every pod each time.
+        for _ in 0..COALESCED_EVENTS {
+            let Some(Some((index, event))) = events.next().now_or_never() else {
+                break;
+            };
+            changed |= take(&mut watched, &publisher, index, event);
         }
-        if watched.iter().all(|w| w.listed) {
+        if changed && watched.iter().all(|w| w.listed) {
             publish(&config, &publisher, &watched, &mut rejected, &mut over);
+        }
+    }
+}
+
+/// Takes one event of `watched[index]`'s watch (its store already holds what it
+/// changed); logs and counts an error. Whether the pods may have changed.
+fn take(
+    watched: &mut [Watched],
+    publisher: &SpecPublisher,
+    index: usize,
+    event: Result<watcher::Event<EnginePod>, watcher::Error>,
+) -> bool {
+    match event {
+        Ok(watcher::Event::InitDone) => {
+            watched[index].listed = true;
+            true
+        }
+        Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_)) => true,
+        // A list in progress: the store swaps it in at InitDone.
+        Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => false,
+        Err(watcher::Error::WatchError(status)) if status.code == 410 => {
+            // Expected: the server no longer has the version the watch resumed
+            // from. The watcher relists; the store keeps the pods until then.
+            tracing::debug!(selector = %watched[index].selector, "watch expired (410 Gone); relisting");
+            false
+        }
+        Err(e) => {
+            let selector = &watched[index].selector;
+            match held::refused(&e) {
+                Some(why @ held::Refused::TooManyPods(_)) => {
+                    tracing::warn!(%selector, error = %why, "kubernetes pods refused: over the ceiling");
+                    publisher.record_over_limit();
+                }
+                _ => {
+                    tracing::warn!(%selector, error = %e, "kubernetes watch failed; keeping the last good pods and retrying");
+                    publisher.record_error();
+                }
+            }
+            false
         }
     }
 }
@@ -883,7 +687,10 @@ pub fn pod_spec(
             .map_err(|e| bad(ENGINE_VERSION, &e))?;
     }
     if let Some(v) = get(DP_RANKS) {
-        spec.ranks = Some(v.parse::<Ranks>().map_err(|e| bad(DP_RANKS, &e))?);
+        // Held to the rank ceiling here, so that one pod's ranks cannot count toward
+        // the endpoint ceiling and hold back every other pod's changes.
+        let ranks = v.parse::<Ranks>().and_then(|r| r.within(config.max_ranks));
+        spec.ranks = Some(ranks.map_err(|e| bad(DP_RANKS, &e))?);
     }
     if let Some(v) = get(WEIGHT) {
         let w: f64 = v.parse().map_err(|_| bad(WEIGHT, &"not a number"))?;
@@ -1046,7 +853,8 @@ mod tests {
     }
 
     #[test]
-    fn a_pod_at_a_metadata_ip_or_with_too_many_ranks_makes_no_endpoint_and_its_weight_is_read() {
+    fn a_pod_at_a_metadata_ip_makes_no_endpoint_one_with_too_many_ranks_is_left_out_and_its_weight_is_read()
+     {
         let bounds = crate::Bounds::default();
         let mut metadata = pod(true, &[]);
         if let Some(status) = metadata.status.as_mut() {
@@ -1059,12 +867,19 @@ mod tests {
             spec.to_endpoints_within(&bounds),
             Err(crate::SpecError::Url(_))
         ));
-        let huge = pod(true, &[(DP_RANKS, "0-4294967295")]);
-        let spec = pod_spec(&huge, Role::Prefill, &config()).unwrap().unwrap();
-        assert!(matches!(
-            spec.to_endpoints_within(&bounds),
-            Err(crate::SpecError::Ranks(_))
-        ));
+        // Ranks past the ceiling (or a rank not below it) leave the pod out: refused
+        // before they count toward the endpoint ceiling.
+        for ranks in ["0-4294967295", "0-9999", "1024", "0-1024"] {
+            let huge = pod(true, &[(DP_RANKS, ranks)]);
+            let err = pod_spec(&huge, Role::Prefill, &config()).unwrap_err();
+            assert!(err.contains(DP_RANKS) && err.contains("1024"), "{err}");
+        }
+        let mut lower = config();
+        lower.max_ranks = 2;
+        assert!(pod_spec(&pod(true, &[(DP_RANKS, "0-2")]), Role::Prefill, &lower).is_err());
+        let most = pod(true, &[(DP_RANKS, "0-1023")]);
+        let spec = pod_spec(&most, Role::Prefill, &config()).unwrap().unwrap();
+        assert_eq!(spec.endpoint_count(), 1024);
         let weighed = pod(true, &[(DP_RANKS, "0-1"), (WEIGHT, "3")]);
         let spec = pod_spec(&weighed, Role::Prefill, &config())
             .unwrap()
@@ -1316,6 +1131,47 @@ mod tests {
             let config = KubernetesConfig::new(Some(good.into()), Some("role=decode".into()));
             assert!(spawn_with_client(client(), config).is_ok(), "{good}");
         }
+    }
+
+    /// Events already queued when one is taken are taken too before the pods are
+    /// published once: a burst of changes is one publish, not one per change.
+    #[tokio::test]
+    async fn queued_events_are_published_together() {
+        use kube::runtime::WatchStreamExt;
+        use kube::runtime::watcher::Event;
+        let named = |i: u32| {
+            let mut p = pod(true, &[]);
+            p.metadata.name = Some(format!("p{i}"));
+            p.metadata.namespace = Some("llm".into());
+            if let Some(status) = p.status.as_mut() {
+                status.pod_ip = Some(format!("10.1.2.{i}"));
+            }
+            p
+        };
+        let mut script = vec![Event::Init, Event::InitApply(named(0)), Event::InitDone];
+        script.extend((1..=50).map(|i| Event::Apply(named(i))));
+        let (store, writer) = reflector::store();
+        let events = futures::stream::iter(script.into_iter().map(Ok))
+            .reflect(writer)
+            .map(|e| (0, e))
+            .boxed();
+        let watched = vec![Watched {
+            role: Role::Prefill,
+            selector: "role=prefill".into(),
+            store,
+            listed: false,
+        }];
+        let (publisher, source) = SpecSource::channel("kubernetes");
+        run(
+            config(),
+            publisher,
+            watched,
+            futures::stream::select_all([events]),
+        )
+        .await;
+        let specs = source.watch().borrow().clone().unwrap();
+        assert_eq!(specs.len(), 51);
+        assert_eq!(source.stats().updates(), 1, "one publish for the burst");
     }
 
     #[test]

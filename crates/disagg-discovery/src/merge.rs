@@ -20,7 +20,8 @@
 //! - a source's list that would make more endpoints than [`Bounds::max_endpoints`]
 //!   (ranks counted, before any is made) is refused whole: that source's last good list
 //!   stays in the set, logged once per list and counted
-//!   ([`SourceStats::over_limit`], an error too).
+//!   ([`SourceStats::over_limit`], an error too); a source with no good list yet has
+//!   none in the set, and [`MergedSource::synced`] waits for it.
 //!
 //! When two sources name the same endpoint (role and id), the earlier one in the merge
 //! order wins: the command line's endpoints first, then the sources in the order they
@@ -188,7 +189,7 @@ impl MergedSourceBuilder {
         let lists = current_lists(&receivers);
         let initial = merger.merge(&lists).unwrap_or_default();
         let (tx, _) = watch::channel(Arc::new(initial));
-        let (synced_tx, synced) = watch::channel(lists.iter().all(Option::is_some));
+        let (synced_tx, synced) = watch::channel(merger.synced());
         let task = tokio::spawn(run(merger, receivers, tx.clone(), synced_tx));
         MergedSource {
             tx,
@@ -207,7 +208,9 @@ impl MergedSource {
     }
 
     /// Waits until every source has published its first complete list and the set
-    /// holds it (a proxy may wait for this, bounded, before it serves).
+    /// holds it (a proxy may wait for this, bounded, before it serves). A list refused
+    /// whole for the endpoint ceiling is not held: a source whose lists so far were all
+    /// refused keeps this waiting, as one that has published nothing does.
     pub async fn synced(&self) {
         let mut rx = self.synced.clone();
         let _ = rx.wait_for(|s| *s).await;
@@ -415,7 +418,7 @@ async fn run(
         if let Some(set) = merger.merge(&lists) {
             tx.send_replace(Arc::new(set));
         }
-        if lists.iter().all(Option::is_some) {
+        if merger.synced() {
             synced.send_if_modified(|s| !std::mem::replace(s, true));
         }
     }
@@ -455,6 +458,13 @@ struct Merger {
 }
 
 impl Merger {
+    /// Whether every source has a list in the set: one published and within the
+    /// endpoint ceiling. A source whose lists so far were all refused for the ceiling
+    /// has none, as one that has published nothing.
+    fn synced(&self) -> bool {
+        self.accepted.iter().all(Option::is_some)
+    }
+
     /// Merges `lists` (one per source, in order) into a new set, or `None` when the set
     /// would be the same endpoints in the same order as the current one.
     fn merge(&mut self, lists: &[Specs]) -> Option<EndpointSet> {
@@ -559,12 +569,21 @@ impl Merger {
         // A list is published once, then merged again on every other source's change:
         // the refusal is counted for the list, not for each merge.
         if self.refused_list(i).is_none_or(|r| !Arc::ptr_eq(r, specs)) {
-            tracing::warn!(
-                source = %self.names[i],
-                endpoints = n,
-                max,
-                "discovered endpoints refused: more than the ceiling per source (--max-endpoints-per-source); keeping the last good endpoints"
-            );
+            if self.accepted[i].is_some() {
+                tracing::warn!(
+                    source = %self.names[i],
+                    endpoints = n,
+                    max,
+                    "discovered endpoints refused: more than the ceiling per source (--max-endpoints-per-source); keeping the last good endpoints"
+                );
+            } else {
+                tracing::warn!(
+                    source = %self.names[i],
+                    endpoints = n,
+                    max,
+                    "discovered endpoints refused: more than the ceiling per source (--max-endpoints-per-source); the source has no endpoints in the set, and is not synced, until it lists within the ceiling"
+                );
+            }
             let stats = &self.source_stats[i];
             stats.over_limit.fetch_add(1, Ordering::Relaxed);
             stats.errors.fetch_add(1, Ordering::Relaxed);
@@ -587,6 +606,13 @@ impl Merger {
     ) -> Option<Vec<Arc<Endpoint>>> {
         // Counted before anything is made per rank.
         if let Some(Err(e)) = spec.ranks.map(|r| r.within(self.bounds.max_ranks)) {
+            self.reject(i, spec, &e, rejected);
+            return None;
+        }
+        // So is the URL's length, before the URL is written out once per rank (its
+        // address is checked once too, by `to_endpoints_bounded`, before an endpoint is
+        // made per rank).
+        if let Err(e) = spec.check_url_len() {
             self.reject(i, spec, &e, rejected);
             return None;
         }
@@ -632,7 +658,7 @@ impl Merger {
         if !self.rejected.contains(&id) {
             tracing::warn!(
                 source = %self.names[i],
-                url = %spec.url,
+                url = %shown(&spec.url),
                 role = ?spec.role,
                 error = %e,
                 "discovered engine left out: its description makes no endpoint"
@@ -651,6 +677,20 @@ impl Merger {
         }
         Ok(spec.to_endpoints_bounded(ext, &self.bounds)?)
     }
+}
+
+/// `url` as logged: whole up to [`MAX_URL_BYTES`](crate::spec::MAX_URL_BYTES), past it
+/// cut there (at a character's start), its length given.
+fn shown(url: &str) -> std::borrow::Cow<'_, str> {
+    let max = crate::spec::MAX_URL_BYTES;
+    if url.len() <= max {
+        return url.into();
+    }
+    let mut end = max;
+    while !url.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... ({} bytes)", &url[..end], url.len()).into()
 }
 
 fn key_of(endpoint: &Endpoint) -> Key {
@@ -745,6 +785,34 @@ mod tests {
             .merge(&[list(vec![decode("http://d9:1")]), other])
             .unwrap();
         assert_eq!(set.by_role(Role::Decode).len(), 2);
+    }
+
+    /// A source whose only list so far was refused for the endpoint ceiling has no
+    /// list in the set: the merge is not synced (a proxy waits for it, bounded, and
+    /// warns that a source has not listed its endpoints, as for a source that has
+    /// published nothing), until the source lists within the ceiling.
+    #[tokio::test]
+    async fn a_first_list_refused_for_the_ceiling_leaves_the_merge_unsynced() {
+        use futures::FutureExt;
+        let (publisher, source) = crate::SpecSource::channel("embedder");
+        publisher.publish(vec![decode("http://d1:1"), decode("http://d2:1")]);
+        let merged = MergedSource::builder()
+            .source(source)
+            .bounds(Bounds {
+                max_endpoints: 1,
+                ..Bounds::default()
+            })
+            .build();
+        assert_eq!(merged.sources().next().unwrap().1.over_limit(), 1);
+        assert!(
+            merged.synced().now_or_never().is_none(),
+            "synced without the source's engines"
+        );
+        publisher.publish(vec![decode("http://d1:1")]);
+        tokio::time::timeout(std::time::Duration::from_secs(5), merged.synced())
+            .await
+            .expect("synced once the source lists within the ceiling");
+        assert_eq!(merged.snapshot().by_role(Role::Decode).len(), 1);
     }
 
     #[test]

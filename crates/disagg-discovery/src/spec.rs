@@ -72,6 +72,17 @@ pub const MAX_MODEL_NAME_BYTES: usize = 512;
 /// of its engine's profile.
 pub const MAX_CONNECTOR_NAME_BYTES: usize = 128;
 
+/// The longest engine URL a spec may have, in bytes (an endpoints file's `url`, an
+/// embedder's [`EndpointSpec::url`]).
+///
+/// An engine URL is `http://HOST:PORT`: a DNS name has at most 253 bytes, so 2 KiB is
+/// eight times any real one. Each of an engine's endpoints (one per data-parallel rank)
+/// keeps its own copy of the URL, and the checks that compare endpoints write it out
+/// again, so the URL is checked once, before anything is made per rank: a 4 MB URL
+/// with 1,024 ranks would otherwise take gigabytes before the first endpoint refused
+/// it.
+pub const MAX_URL_BYTES: usize = 2048;
+
 /// Model names past [`MAX_MODELS_PER_ENGINE`] or [`MAX_MODEL_NAME_BYTES`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -458,7 +469,8 @@ impl EndpointSpec {
     /// the URL, or `URL@RANK` per rank (a trailing `/` left out, a rank written in the
     /// URL reprinted: `http://h:1/@03` is `http://h:1@3`). One string per rank: check
     /// [`endpoint_count`](Self::endpoint_count) (or the ranks against
-    /// [`Bounds::max_ranks`]) before calling it on a spec from outside.
+    /// [`Bounds::max_ranks`]) and the URL's length against [`MAX_URL_BYTES`] before
+    /// calling it on a spec from outside.
     pub fn endpoint_urls(&self) -> Vec<String> {
         match self.ranks {
             None => vec![core_id(&self.url)],
@@ -467,6 +479,64 @@ impl EndpointSpec {
                 ranks.into_iter().map(|r| format!("{base}@{r}")).collect()
             }
         }
+    }
+
+    /// Checks the URL's length against [`MAX_URL_BYTES`], without reading it.
+    pub(crate) fn check_url_len(&self) -> Result<(), SpecError> {
+        match self.url.len() {
+            len if len > MAX_URL_BYTES => Err(SpecError::UrlTooLong {
+                len,
+                max: MAX_URL_BYTES,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Checks the URL once, as every endpoint of the spec would have it, before anything
+    /// is made per rank: at most [`MAX_URL_BYTES`], and the endpoint of its first rank
+    /// (or its one endpoint) one the core makes within `bounds.addresses`. The ranks'
+    /// endpoints differ only in their rank, so the others' URLs pass too.
+    pub(crate) fn check_url(&self, bounds: &Bounds) -> Result<(), SpecError> {
+        self.check_url_len()?;
+        let first = match self.ranks {
+            None => self.url.clone(),
+            Some(ranks) => format!("{}@{}", self.url.trim_end_matches('/'), ranks.first),
+        };
+        Endpoint::with_address_policy(
+            &first,
+            self.role,
+            http::Extensions::new(),
+            bounds.addresses,
+        )?;
+        Ok(())
+    }
+
+    /// This spec's endpoints as the engine they belong to and their ranks, without an
+    /// id written out per rank: the engine's identity (one string for all its ranks,
+    /// however its URL is spelled) and each endpoint's rank (`None` for an engine
+    /// without ranks). `URL@1` and `URL` with ranks `0-1` share the key of rank 1.
+    pub(crate) fn endpoint_keys(&self) -> (String, impl Iterator<Item = Option<u32>>) {
+        let (engine, own) = match self.ranks {
+            Some(_) => (identity_or_id(self.url.trim_end_matches('/')), None),
+            None => {
+                let id = identity_or_id(&self.url);
+                let rank = id.rsplit_once('@').and_then(|(engine, rank)| {
+                    if !rank.bytes().all(|b| b.is_ascii_digit()) {
+                        return None;
+                    }
+                    let rank = rank.parse::<u32>().ok()?;
+                    Some((engine.len(), rank))
+                });
+                match rank {
+                    Some((len, rank)) => (id[..len].to_owned(), Some(Some(rank))),
+                    None => (id, Some(None)),
+                }
+            }
+        };
+        (
+            engine,
+            self.ranks.into_iter().flatten().map(Some).chain(own),
+        )
     }
 
     /// The connector data this spec puts into its endpoints' extensions (its protocol
@@ -623,6 +693,8 @@ impl EndpointSpec {
     /// # Errors
     ///
     /// [`SpecError::Ranks`] when the engine has more ranks than `bounds.max_ranks`,
+    /// [`SpecError::UrlTooLong`] when its URL is longer than [`MAX_URL_BYTES`] (checked
+    /// before anything is made per rank),
     /// [`SpecError::Models`] when it declares more models, or a longer name, than
     /// [`MAX_MODELS_PER_ENGINE`] and [`MAX_MODEL_NAME_BYTES`] allow,
     /// [`SpecError::Weight`] when its weight is not a positive number, and
@@ -636,6 +708,8 @@ impl EndpointSpec {
         if let Some(ranks) = self.ranks {
             ranks.within(bounds.max_ranks)?;
         }
+        // The URL checked once, before it is written out per rank.
+        self.check_url(bounds)?;
         // Checked whole before a name is made; then made once for all the ranks.
         let mut distinct = DistinctNames::default();
         for name in &self.models {
@@ -678,6 +752,14 @@ pub enum SpecError {
     /// The URL (with its rank) is not an engine URL.
     #[error(transparent)]
     Url(#[from] EndpointError),
+    /// The URL is longer than [`MAX_URL_BYTES`].
+    #[error("the URL is {len} bytes, longer than the {max} allowed")]
+    UrlTooLong {
+        /// The URL's length in bytes.
+        len: usize,
+        /// The ceiling ([`MAX_URL_BYTES`]).
+        max: usize,
+    },
     /// The weight is not a positive number.
     #[error("weight {0} is not a positive number")]
     Weight(f64),

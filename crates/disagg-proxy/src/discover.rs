@@ -289,6 +289,7 @@ impl DiscoveryArgs {
         c.max_response_bytes = bounds.max_response_bytes;
         c.page_size = bounds.page_size;
         c.max_endpoints = self.max_endpoints_per_source;
+        c.max_ranks = self.max_dp_ranks;
         if let Some(read) = c.read_timeout
             && read <= WATCH_TIMEOUT
         {
@@ -658,12 +659,16 @@ mod tests {
                     "8388608",
                     "--k8s-page-size",
                     "20",
+                    "--max-dp-ranks",
+                    "64",
                 ],
             ]
             .concat(),
         );
         a.check_k8s_bounds().unwrap();
         let c = a.kubernetes().unwrap().expect("kubernetes discovery");
+        // The rank ceiling every source applies reaches the pods' `dp-ranks` too.
+        assert_eq!(c.max_ranks, 64);
         assert_eq!(c.read_timeout, Some(Duration::from_secs(400)));
         assert_eq!(c.request_timeout, Duration::from_millis(2500));
         assert_eq!(c.max_response_bytes, 8 << 20);

@@ -226,7 +226,7 @@ where
 }
 
 /// Whether `uri` asks for a watch (`watch=true`, or `1`, in its query).
-fn is_watch(uri: &Uri) -> bool {
+pub(super) fn is_watch(uri: &Uri) -> bool {
     uri.query()
         .is_some_and(|q| q.split('&').any(|kv| kv == "watch=true" || kv == "watch=1"))
 }

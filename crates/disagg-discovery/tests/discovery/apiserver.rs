@@ -10,7 +10,11 @@
 //!   changed object carries in `metadata.resourceVersion`;
 //! - `GET /api/v1/namespaces/NS/pods` lists the namespace's pods matching
 //!   `labelSelector` (equality- and set-based requirements), with the list's
-//!   `metadata.resourceVersion`, paginated by `limit`/`continue`;
+//!   `metadata.resourceVersion`, paginated by `limit`/`continue` as "Retrieving large
+//!   results sets in chunks" says: every page is of the first page's snapshot and
+//!   carries its `resourceVersion` (a pod changed or deleted since is served as it was,
+//!   one created since is not), and a `continue` token whose version has been compacted
+//!   away is answered `410 Gone` (reason `Expired`);
 //! - `...?watch=true&resourceVersion=RV` streams, as newline-delimited JSON, every
 //!   change after RV (`ADDED`, `MODIFIED`, `DELETED`; a pod that starts or stops
 //!   matching the selector is `ADDED` or `DELETED`, as for any filtered watch), then
@@ -37,10 +41,11 @@
 //! The test drives it directly: [`FakeApiServer::apply`] and
 //! [`FakeApiServer::delete`] change pods, [`FakeApiServer::compact`] drops history,
 //! [`FakeApiServer::end_watches`] closes every open watch (as a server restart or a
-//! load balancer would), [`FakeApiServer::hold_watches`] keeps new watch requests
-//! waiting (a slow reconnect), [`FakeApiServer::bookmark`] sends a bookmark now. A
-//! test waits for [`FakeApiServer::open_watches`] before it ends watches or asks for
-//! bookmarks, so that every watch sees the request.
+//! load balancer would), [`FakeApiServer::close_watches_at_once`] ends every new one as
+//! soon as it is opened (as a gateway could), [`FakeApiServer::hold_watches`] keeps new
+//! watch requests waiting (a slow reconnect), [`FakeApiServer::bookmark`] sends a
+//! bookmark now. A test waits for [`FakeApiServer::open_watches`] before it ends
+//! watches or asks for bookmarks, so that every watch sees the request.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
@@ -91,6 +96,41 @@ struct State {
     open_watches: usize,
     /// How the next list requests are answered, one each.
     list_faults: VecDeque<ListFault>,
+    /// While true, every watch is answered with no event and ended at once.
+    closing_watches: bool,
+}
+
+impl State {
+    /// The pods as they were at `version` (not before the compacted history): the
+    /// current ones, each change after `version` undone.
+    fn pods_at(&self, version: u64) -> BTreeMap<(String, String), &Value> {
+        let mut pods: BTreeMap<(String, String), &Value> =
+            self.pods.iter().map(|(k, v)| (k.clone(), v)).collect();
+        // The earliest change of each pod after `version` says how it was then.
+        let mut undone = std::collections::HashSet::new();
+        for change in self.history.iter().filter(|c| c.rv > version) {
+            let Some(pod) = change.old.as_ref().or(change.new.as_ref()) else {
+                continue;
+            };
+            let key = (
+                pod["metadata"]["namespace"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+                pod["metadata"]["name"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+            );
+            if undone.insert(key.clone()) {
+                match &change.old {
+                    Some(old) => pods.insert(key, old),
+                    None => pods.remove(&key),
+                };
+            }
+        }
+        pods
+    }
 }
 
 /// How a list request is answered instead of normally (see the module's documentation).
@@ -239,12 +279,12 @@ impl FakeApiServer {
     /// Deletes a pod.
     pub(crate) fn delete(&self, namespace: &str, name: &str) {
         let mut s = self.state.lock().unwrap();
-        let Some(mut old) = s.pods.remove(&(namespace.to_owned(), name.to_owned())) else {
+        let Some(old) = s.pods.remove(&(namespace.to_owned(), name.to_owned())) else {
             panic!("no pod {namespace}/{name}");
         };
         s.rv += 1;
-        // A deleted object is sent in its last state, at the deletion's version.
-        old["metadata"]["resourceVersion"] = json!(s.rv.to_string());
+        // Kept as it was (a list's snapshot from before may serve it); its deletion is
+        // sent at the deletion's version (`event`).
         let rv = s.rv;
         s.history.push(Change {
             rv,
@@ -286,6 +326,16 @@ impl FakeApiServer {
     pub(crate) fn fail_requests(&self, failing: bool) {
         self.state.lock().unwrap().failing = failing;
         if failing {
+            self.end_watches();
+        }
+    }
+
+    /// Answers every watch request with no event, ending it at once (`true`), as a
+    /// gateway in front of the API server could, or serves watches again; when `true`,
+    /// the open watches end too.
+    pub(crate) fn close_watches_at_once(&self, closing: bool) {
+        self.state.lock().unwrap().closing_watches = closing;
+        if closing {
             self.end_watches();
         }
     }
@@ -425,25 +475,52 @@ fn list_pods(
 ) -> Response<Body> {
     let mut s = shared.state.lock().unwrap();
     let fault = s.list_faults.pop_front();
-    // Pagination: `continue` is the last name served; `limit` bounds the page.
-    let after = params.get("continue").cloned().unwrap_or_default();
+    // Pagination: the first page is of the current version; `continue` names that
+    // version and the last name served, and every later page is of the same snapshot,
+    // at the same version; `limit` bounds the page.
+    let (version, after) = match params.get("continue") {
+        None => (s.rv, String::new()),
+        Some(token) => match token
+            .split_once('/')
+            .and_then(|(rv, name)| Some((rv.parse::<u64>().ok()?, name.to_owned())))
+        {
+            Some((rv, _)) if rv < s.compacted => {
+                return full(
+                    StatusCode::GONE,
+                    status(
+                        410,
+                        "Expired",
+                        "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.",
+                    ),
+                );
+            }
+            Some(at) => at,
+            None => {
+                return full(
+                    StatusCode::BAD_REQUEST,
+                    status(400, "BadRequest", "invalid continue token"),
+                );
+            }
+        },
+    };
     let limit = params
         .get("limit")
         .and_then(|l| l.parse::<usize>().ok())
         .filter(|l| *l > 0)
         .unwrap_or(usize::MAX);
     let matching: Vec<&Value> = s
-        .pods
-        .iter()
+        .pods_at(version)
+        .into_iter()
         .filter(|((ns, name), pod)| ns == namespace && *name > after && selector.matches(pod))
         .map(|(_, pod)| pod)
         .collect();
     let page: Vec<Value> = matching.iter().take(limit).map(|p| (*p).clone()).collect();
-    let mut metadata = json!({ "resourceVersion": s.rv.to_string() });
+    let mut metadata = json!({ "resourceVersion": version.to_string() });
     if matching.len() > limit
         && let Some(last) = page.last()
     {
-        metadata["continue"] = last["metadata"]["name"].clone();
+        let name = last["metadata"]["name"].as_str().unwrap_or_default();
+        metadata["continue"] = json!(format!("{version}/{name}"));
     }
     let list =
         json!({ "kind": "PodList", "apiVersion": "v1", "metadata": metadata, "items": page });
@@ -512,6 +589,16 @@ async fn watch_pods(
 ) -> Response<Body> {
     let mut hold = shared.hold.clone();
     let _ = hold.wait_for(|h| !h).await;
+    if shared.state.lock().unwrap().closing_watches {
+        return Response::builder()
+            .status(StatusCode::OK)
+            .header("content-type", "application/json")
+            .header("transfer-encoding", "chunked")
+            .body(BodyExt::boxed(StreamBody::new(futures::stream::empty::<
+                Result<Frame<Bytes>, Infallible>,
+            >())))
+            .unwrap();
+    }
     let Some(mut cursor) = params
         .get("resourceVersion")
         .and_then(|rv| rv.parse::<u64>().ok())
@@ -618,7 +705,12 @@ fn event(change: &Change, namespace: &str, selector: &Selector) -> Option<Value>
             };
             Some(json!({"type": kind, "object": new}))
         }
-        None if was => Some(json!({"type": "DELETED", "object": change.old})),
+        // A deleted object is sent in its last state, at the deletion's version.
+        None if was => {
+            let mut old = change.old.clone()?;
+            old["metadata"]["resourceVersion"] = json!(change.rv.to_string());
+            Some(json!({"type": "DELETED", "object": old}))
+        }
         None => None,
     }
 }

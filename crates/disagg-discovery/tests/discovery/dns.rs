@@ -884,3 +884,196 @@ async fn a_name_that_never_answers_holds_no_other_names_refresh_back() {
     assert!(errors(&merged) >= 1, "the silent name's lookup failed");
     silent.abort();
 }
+
+/// How a [`Zone`] answers one address family's queries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Answer {
+    /// One address: 127.0.8.1 (A) or fd00::81 (AAAA), with a TTL of 0.
+    Address,
+    /// No error and no records (the name has no address of the family).
+    NoData,
+    /// No answer at all: the query times out.
+    Silent,
+}
+
+/// A DNS server on a loopback UDP port for the `fam.test` zone (dnsmasq forwards it
+/// there), answering each family's queries as told: A first, AAAA second.
+struct Zone {
+    port: u16,
+    answers: Arc<std::sync::Mutex<[Answer; 2]>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Zone {
+    async fn start(a: Answer, aaaa: Answer) -> Zone {
+        let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let port = socket.local_addr().unwrap().port();
+        let answers = Arc::new(std::sync::Mutex::new([a, aaaa]));
+        let task = tokio::spawn({
+            let answers = answers.clone();
+            async move {
+                let mut buf = [0u8; 1500];
+                while let Ok((n, from)) = socket.recv_from(&mut buf).await {
+                    let now = *answers.lock().unwrap();
+                    if let Some(reply) = zone_reply(&buf[..n], now) {
+                        let _ = socket.send_to(&reply, from).await;
+                    }
+                }
+            }
+        });
+        Zone {
+            port,
+            answers,
+            task,
+        }
+    }
+
+    fn set(&self, a: Answer, aaaa: Answer) {
+        *self.answers.lock().unwrap() = [a, aaaa];
+    }
+
+    /// dnsmasq's option forwarding the zone here.
+    fn forward(&self) -> String {
+        format!("--server=/fam.test/127.0.0.1#{}", self.port)
+    }
+}
+
+impl Drop for Zone {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The zone's reply to `query` (`None`: no reply): A and AAAA answered as `answers`
+/// say, any other type without records.
+fn zone_reply(query: &[u8], answers: [Answer; 2]) -> Option<Vec<u8>> {
+    if query.len() < 12 || query[2] & 0x80 != 0 || query[4..6] != [0, 1] {
+        return None;
+    }
+    let mut at = 12;
+    loop {
+        let len = usize::from(*query.get(at)?);
+        at += 1 + len;
+        if len == 0 {
+            break;
+        }
+        if len & 0xC0 != 0 {
+            return None;
+        }
+    }
+    let question_end = at + 4;
+    let answer = match query.get(at..at + 2)? {
+        [0, 1] => answers[0],
+        [0, 28] => answers[1],
+        _ => Answer::NoData,
+    };
+    let rdata: &[u8] = match (answer, query.get(at + 1)?) {
+        (Answer::Silent, _) => return None,
+        (Answer::NoData, _) => &[],
+        (Answer::Address, 1) => &[127, 0, 8, 1],
+        (Answer::Address, _) => &[0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x81],
+    };
+    let mut reply = Vec::with_capacity(question_end + 32);
+    reply.extend_from_slice(&query[..2]);
+    // A response (QR), the query's opcode and RD, authoritative (AA); RA, no error.
+    reply.push(0x80 | (query[2] & 0x79) | 0x04);
+    reply.push(0x80);
+    reply.extend_from_slice(&[0, 1, 0, u8::from(!rdata.is_empty()), 0, 0, 0, 0]);
+    reply.extend_from_slice(query.get(12..question_end)?);
+    if !rdata.is_empty() {
+        // The question's name (a pointer to offset 12), its type, class IN, TTL 0.
+        reply.extend_from_slice(&[0xC0, 12]);
+        reply.extend_from_slice(query.get(at..at + 2)?);
+        reply.extend_from_slice(&[0, 1, 0, 0, 0, 0, 0, rdata.len() as u8]);
+        reply.extend_from_slice(rdata);
+    }
+    Some(reply)
+}
+
+/// A dnsmasq forwarding `fam.test` to `zone`, and the merged source of the name
+/// `d.fam.test:8200` resolved through it, once its first list is in.
+async fn through_zone(dir: &TempDir, zone: &Zone) -> Option<(Dnsmasq, MergedSource)> {
+    // Nothing cached: each refresh reaches the zone.
+    let extra = [zone.forward(), "--no-negcache".to_owned()];
+    let server = Dnsmasq::start_with(dir, "", &[], 0, &extra).await?;
+    let mut config = config(&server, vec![target("d.fam.test:8200", Role::Decode)]);
+    config.timeout = Duration::from_millis(300);
+    config.min_refresh = Duration::from_millis(200);
+    config.max_refresh = Duration::from_secs(1);
+    let merged = MergedSource::builder()
+        .source(dns::spawn(config).await.unwrap())
+        .build();
+    tokio::time::timeout(SEEN, merged.synced())
+        .await
+        .expect("the name's first list");
+    Some((server, merged))
+}
+
+/// Waits for `more` failed lookups past those counted now, failing the test as soon as
+/// the set changes instead.
+async fn failed_lookups_keep(merged: &MergedSource, more: u64, what: &str) {
+    let before = merged.snapshot();
+    let errors_before = errors(merged);
+    eventually(SEEN, what, || {
+        errors(merged) >= errors_before + more || !Arc::ptr_eq(&merged.snapshot(), &before)
+    })
+    .await;
+    assert!(
+        Arc::ptr_eq(&merged.snapshot(), &before),
+        "{what}: the set changed to {:?} instead of keeping {:?}",
+        ids(&merged.snapshot(), Role::Decode),
+        ids(&before, Role::Decode)
+    );
+}
+
+/// Each address family is asked on its own, and a failure of either (a timeout here)
+/// fails the lookup, keeping the name's last good engines: the family that still
+/// answers does not replace them with its addresses alone. Clean answers without
+/// records are an answer: the name's engines follow them.
+#[tokio::test]
+async fn a_family_that_fails_beside_one_that_answers_keeps_the_names_engines() {
+    let dir = TempDir::new("dns-family-half");
+    let zone = Zone::start(Answer::Address, Answer::Address).await;
+    let Some((_server, merged)) = through_zone(&dir, &zone).await else {
+        return;
+    };
+    assert_eq!(
+        ids(&merged.snapshot(), Role::Decode),
+        ["http://127.0.8.1:8200", "http://[fd00::81]:8200"]
+    );
+    // AAAA times out, A still answers: a failure, not the A answer alone.
+    zone.set(Answer::Address, Answer::Silent);
+    failed_lookups_keep(&merged, 2, "AAAA timing out beside an A answer").await;
+    // AAAA answers without records: the name has only its IPv4 engine now.
+    zone.set(Answer::Address, Answer::NoData);
+    wait_for(&merged, SEEN, "the IPv6 engine gone", |s| {
+        ids(s, Role::Decode) == ["http://127.0.8.1:8200"]
+    })
+    .await;
+}
+
+/// An IPv6-only name whose AAAA lookups time out while A answers "no records" keeps
+/// its engines: the A family's clean negative answer is not the name's answer.
+#[tokio::test]
+async fn a_family_that_fails_beside_one_without_records_keeps_the_names_engines() {
+    let dir = TempDir::new("dns-family-none");
+    let zone = Zone::start(Answer::NoData, Answer::Address).await;
+    let Some((_server, merged)) = through_zone(&dir, &zone).await else {
+        return;
+    };
+    assert_eq!(
+        ids(&merged.snapshot(), Role::Decode),
+        ["http://[fd00::81]:8200"]
+    );
+    zone.set(Answer::NoData, Answer::Silent);
+    failed_lookups_keep(&merged, 2, "AAAA timing out beside A without records").await;
+    // Both families answer without records: the name has no engines now, no error.
+    let errors_before = errors(&merged);
+    zone.set(Answer::NoData, Answer::NoData);
+    wait_for(&merged, SEEN, "the name without engines", |s| {
+        s.by_role(Role::Decode).is_empty()
+    })
+    .await;
+    // At most the lookup under way when the answers changed failed meanwhile.
+    assert!(errors(&merged) <= errors_before + 1);
+}

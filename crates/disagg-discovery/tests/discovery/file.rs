@@ -382,3 +382,83 @@ async fn a_file_of_the_most_engines_written_out_in_full_is_read() {
         (2048, 2048)
     );
 }
+
+/// A file caught while it is rewritten in place (`>` redirection, `kubectl cp`:
+/// truncated, then written) is not published: neither the empty file nor its first
+/// entries alone. A change is in force once the file reads the same twice, the settle
+/// delay apart; here the writer pauses for 300 ms (several polls) at each step, within
+/// the settle delay of a second.
+#[tokio::test]
+async fn a_file_caught_mid_write_is_not_published() {
+    use std::io::Write;
+    let dir = TempDir::new("file-mid-write");
+    let path = dir.path().join("endpoints.toml");
+    replace(&path, FIRST);
+    let mut config = FileConfig::new(&path);
+    config.poll_interval = Duration::from_millis(20);
+    config.settle = Duration::from_secs(1);
+    let merged = MergedSource::builder()
+        .source(file::spawn(config).await.unwrap())
+        .build();
+    merged.synced().await;
+    let stats = || merged.sources().next().unwrap().1;
+    let updates = stats().updates();
+    // Every set published from now on, as the merged source's watchers see them.
+    let mut rx = merged.watch();
+    let seen = tokio::spawn(async move {
+        let mut decodes = Vec::new();
+        while rx.changed().await.is_ok() {
+            let set = rx.borrow_and_update().clone();
+            decodes.push(ids(&set, Role::Decode));
+        }
+        decodes
+    });
+    // The edit adds a decode; cut after its first entry, it has no decode at all.
+    let first_entry = "[[prefill]]\nurl = \"http://10.0.0.5:8100\"\nbootstrap_port = 8998\n";
+    let rest = "[[decode]]\nurl = \"http://10.0.0.7:8200\"\n\
+                [[decode]]\nurl = \"http://10.0.0.8:8200\"\n";
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(&path)
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    file.write_all(first_entry.as_bytes()).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    file.write_all(rest.as_bytes()).unwrap();
+    drop(file);
+    wait_for(&merged, Duration::from_secs(5), "the whole edit", |s| {
+        ids(s, Role::Decode) == ["http://10.0.0.7:8200", "http://10.0.0.8:8200"]
+    })
+    .await;
+    assert_eq!(
+        stats().updates(),
+        updates + 1,
+        "one list published: the edit"
+    );
+    assert_eq!(
+        stats().errors(),
+        0,
+        "no refused edit: the cut one was never parsed"
+    );
+    drop(merged);
+    let decodes = seen.await.unwrap();
+    assert_eq!(
+        decodes,
+        [vec!["http://10.0.0.7:8200", "http://10.0.0.8:8200"]],
+        "the sets published"
+    );
+}
+
+/// A poll interval of zero (which `tokio::time::interval` refuses with a panic, in the
+/// reload task) is refused when the source starts.
+#[tokio::test]
+async fn a_poll_interval_of_zero_is_refused_at_start() {
+    let dir = TempDir::new("file-zero-poll");
+    let path = dir.path().join("endpoints.toml");
+    replace(&path, FIRST);
+    let mut config = FileConfig::new(&path);
+    config.poll_interval = Duration::ZERO;
+    let err = file::spawn(config).await.map(drop).unwrap_err();
+    assert!(matches!(err, FileError::PollInterval), "{err}");
+}

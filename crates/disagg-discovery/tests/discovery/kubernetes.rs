@@ -293,6 +293,54 @@ async fn watches_that_time_out_or_drop_resume_from_their_version_without_relisti
     assert_eq!(stats(&h).errors(), 0);
 }
 
+/// A gateway that closes every watch as soon as it is opened does not drive the watcher
+/// into a tight loop of watch requests: after the second watch in a row that ended at
+/// once, each is counted as an error and waited on with backoff; once watches are
+/// served again, changes are published.
+#[tokio::test]
+async fn watches_closed_at_once_are_reopened_with_backoff() {
+    const WINDOW: Duration = Duration::from_secs(6);
+    let h = start(
+        &[
+            pod("p1", "prefill", "127.0.1.1", true),
+            pod("d1", "decode", "127.0.2.1", true),
+        ],
+        |_| {},
+    )
+    .await;
+    watching(&h).await;
+    let before = h.server.watches();
+    h.server.close_watches_at_once(true);
+    // A window of time, measured: what is asserted is how many watches it held.
+    tokio::time::sleep(WINDOW).await;
+    let watches = h.server.watches() - before;
+    // Per selector: the open watch ends (short: it opened moments ago), the next ends
+    // at once too, then each waits (0.8 s, 1.6 s, 3.2 s, each up to twice as long with
+    // jitter): 2 to 5 in the window. Without backoff, thousands.
+    assert!(
+        (4..=10).contains(&watches),
+        "{watches} watch requests in {WINDOW:?}"
+    );
+    let errors = stats(&h).errors();
+    assert!(
+        errors >= 2,
+        "the short watches are counted as errors: {errors}"
+    );
+    assert_eq!(h.server.lists(), 2, "resumed, never relisted");
+
+    // Served again: a change made meanwhile is published.
+    h.server
+        .apply(pod("d2", "decode", "127.0.2.2", true).json());
+    h.server.close_watches_at_once(false);
+    wait_for(
+        &h.merged,
+        Duration::from_secs(40),
+        "d2 after the backoff",
+        |s| s.by_role(Role::Decode).len() == 2,
+    )
+    .await;
+}
+
 #[tokio::test]
 async fn an_expired_version_relists_and_the_set_stays_until_the_relist_is_complete() {
     let h = start(
@@ -797,6 +845,53 @@ async fn pods_past_the_endpoint_ceiling_are_not_published() {
     assert_eq!(stats(&h).over_limit(), 1);
 }
 
+/// A pod whose `disagg.io/dp-ranks` passes the rank ceiling (`--max-dp-ranks`) is
+/// left out alone, logged and counted as rejected, before its ranks count toward the
+/// endpoint ceiling: the other pods are published, and so are later changes (a pod
+/// added, a pod deleted), rather than every later list being refused as over the
+/// endpoint ceiling.
+#[tokio::test]
+async fn a_pod_with_ranks_past_the_rank_ceiling_is_left_out_alone() {
+    let mut d8 = pod("d8", "decode", "127.0.2.8", true);
+    d8.annotations = &[("disagg.io/dp-ranks", "0-9999")];
+    let mut d9 = pod("d9", "decode", "127.0.2.9", true);
+    d9.annotations = &[("disagg.io/dp-ranks", "0-4294967295")];
+    let h = launch(
+        &[
+            pod("p1", "prefill", "127.0.1.1", true),
+            pod("d1", "decode", "127.0.2.1", true),
+            d8,
+            d9,
+        ],
+        |_| {},
+    )
+    .await;
+    let set = wait_for(&h.merged, WAIT, "the pods within the ceilings", |s| {
+        ids(s, Role::Prefill) == ["http://127.0.1.1:8000"]
+            && ids(s, Role::Decode) == ["http://127.0.2.1:8000"]
+    })
+    .await;
+    assert_eq!(set.iter().count(), 2);
+    assert_eq!(stats(&h).rejected(), 2);
+    assert_eq!(stats(&h).over_limit(), 0);
+
+    // A scale-up and a deletion are still published.
+    watching(&h).await;
+    h.server
+        .apply(pod("d2", "decode", "127.0.2.2", true).json());
+    wait_for(&h.merged, WAIT, "the scale-up", |s| {
+        ids(s, Role::Decode) == ["http://127.0.2.1:8000", "http://127.0.2.2:8000"]
+    })
+    .await;
+    h.server.delete(NS, "d1");
+    wait_for(&h.merged, WAIT, "the deletion", |s| {
+        ids(s, Role::Decode) == ["http://127.0.2.2:8000"]
+    })
+    .await;
+    assert_eq!(stats(&h).rejected(), 2, "each refused pod counted once");
+    assert_eq!(stats(&h).over_limit(), 0);
+}
+
 /// A list page within the byte ceiling but made of empty objects (`{}`, each of which
 /// would decode into a whole pod) is refused by its count of JSON objects (counted,
 /// retried), and a normal page still passes.
@@ -1001,4 +1096,79 @@ async fn pods_with_huge_unread_fields_are_discovered_with_their_specs() {
     .await;
     let s = stats(&h);
     assert_eq!((s.errors(), s.rejected()), (0, 0));
+}
+
+/// The in-test API server pages a list as the API server does ("Retrieving large
+/// results sets in chunks", kubernetes.io/docs/reference/using-api/api-concepts/): every
+/// page is of the first page's snapshot, carrying its `resourceVersion`, whatever
+/// changed since (a pod deleted or changed after the first page is served as it was; one
+/// created after it is not); a `continue` token whose version has been compacted is
+/// refused with `410 Gone` (reason `Expired`), the client to list again.
+#[tokio::test]
+async fn the_in_test_api_server_pages_a_list_as_one_snapshot() {
+    use disagg_discovery::kubernetes::EnginePod;
+    use kube::api::{Api, ListParams};
+
+    let server = FakeApiServer::start().await;
+    for (name, ip) in [
+        ("d1", "127.0.2.1"),
+        ("d2", "127.0.2.2"),
+        ("d3", "127.0.2.3"),
+    ] {
+        server.apply(pod(name, "decode", ip, true).json());
+    }
+    let kubeconfig = kube::config::Kubeconfig::from_yaml(&server.kubeconfig(NS)).unwrap();
+    let options = kube::config::KubeConfigOptions::default();
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &options)
+        .await
+        .unwrap();
+    let api: Api<EnginePod> = Api::namespaced(kube::Client::try_from(config).unwrap(), NS);
+    let lp = ListParams::default().labels("app=vllm").limit(1);
+    let names = |list: &kube::core::ObjectList<EnginePod>| -> Vec<String> {
+        list.items
+            .iter()
+            .map(|p| p.metadata.name.clone().unwrap_or_default())
+            .collect()
+    };
+
+    let first = api.list(&lp).await.unwrap();
+    let version = first.metadata.resource_version.clone();
+    assert_eq!(names(&first), ["d1"]);
+    // After the first page: d2 deleted, d3 changed (not ready), d4 created.
+    server.delete(NS, "d2");
+    server.apply(pod("d3", "decode", "127.0.2.3", false).json());
+    server.apply(pod("d4", "decode", "127.0.2.4", true).json());
+    let mut pages = vec![first];
+    while let Some(token) = pages.last().and_then(|p| p.metadata.continue_.clone()) {
+        assert!(pages.len() < 10, "the pages end");
+        pages.push(api.list(&lp.clone().continue_token(&token)).await.unwrap());
+    }
+    let listed: Vec<String> = pages.iter().flat_map(names).collect();
+    assert_eq!(listed, ["d1", "d2", "d3"], "the first page's snapshot");
+    assert!(
+        pages.iter().all(|p| p.metadata.resource_version == version),
+        "every page at the first page's version {version:?}"
+    );
+    let d3 = &pages[2].items[0];
+    let ready = d3
+        .status
+        .iter()
+        .flat_map(|s| s.conditions.iter().flatten())
+        .any(|c| c.type_ == "Ready" && c.status == "True");
+    assert!(ready, "d3 as it was at the first page");
+
+    // A token whose version is compacted away: 410 Gone; a new list is served.
+    let first = api.list(&lp).await.unwrap();
+    let token = first.metadata.continue_.clone().unwrap();
+    server.apply(pod("d5", "decode", "127.0.2.5", true).json());
+    server.compact();
+    match api.list(&lp.clone().continue_token(&token)).await {
+        Err(kube::Error::Api(status)) => {
+            assert_eq!((status.code, status.reason.as_str()), (410, "Expired"));
+        }
+        other => panic!("an expired continue token: {other:?}"),
+    }
+    let again = api.list(&lp).await.unwrap();
+    assert_eq!(names(&again), ["d1"]);
+    assert_ne!(again.metadata.resource_version, version);
 }
