@@ -792,13 +792,11 @@ impl EndpointSet {
         }
     }
 
-    /// The endpoints of this set that `keep` keeps (each role's order kept), as a
-    /// filter by health publishes them: the models this set serves stay the models
-    /// served. A model whose decode endpoints are all left out is then one that cannot
-    /// be served now ([`RouteError::NoDecode`], 503), not an unknown one (404), and a
-    /// request naming no model must still name one where this set serves several (it
-    /// is not sent to the one model left). [`EndpointSet::new`] over the same endpoints
-    /// would know only the models they declare.
+    /// The endpoints `keep` keeps (each role's order kept), as a health filter publishes
+    /// them, with this set's served models: a model whose decodes are all left out is
+    /// one that cannot be served now ([`RouteError::NoDecode`], 503), not an unknown one
+    /// (404), and a request naming no model must still name one where this set serves
+    /// several. [`EndpointSet::new`] would know only the models they declare.
     ///
     /// # Examples
     ///
