@@ -295,7 +295,6 @@ async fn messages_are_disaggregated_over_nixl() {
     messages_over(nixl().await).await;
 }
 
-
 /// The prefill leg of `/v1/messages`, field by field, with a `thinking` budget the
 /// decode accepts (below `max_tokens`) but the one-token prefill would refuse without
 /// the handoff's `do_remote_decode`.
@@ -344,7 +343,6 @@ async fn messages_prefill_leg(pair: (SimEngine, SimEngine, Proxy)) {
 async fn messages_prefill_leg_is_rewritten_field_by_field_over_nixl() {
     messages_prefill_leg(nixl().await).await;
 }
-
 
 /// A body vLLM's request model refuses is answered 400 in OpenAI's shape (as vLLM's
 /// validation handler answers it), before any leg; the proxy's own failures on the
@@ -547,7 +545,6 @@ async fn responses_are_disaggregated_over_nixl() {
     responses_over(nixl().await).await;
 }
 
-
 /// The prefill leg of `/v1/responses`, field by field; an invalid body refused before
 /// any leg in OpenAI's shape.
 #[tokio::test]
@@ -706,7 +703,6 @@ async fn cohere_over(pair: (SimEngine, SimEngine, Proxy)) {
 async fn cohere_chat_is_disaggregated_over_nixl() {
     cohere_over(nixl().await).await;
 }
-
 
 /// The prefill leg of `/cohere/v2/chat`, field by field; an invalid body refused before
 /// any leg; the route's errors in Cohere's `{"message", "id"}` shape.

@@ -65,8 +65,8 @@ use disagg_core::policy::Decision;
 use disagg_core::request::{Api, PdRequest};
 use disagg_core::router::Route;
 use disagg_core::transport::{Transport, read_limited};
-use disagg_json::write_json_str;
 use disagg_json::InvalidParam;
+use disagg_json::write_json_str;
 use serde_json::value::RawValue;
 
 /// Why a request is served by a decode engine alone: its prefill leg would carry no
