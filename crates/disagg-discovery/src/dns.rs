@@ -695,6 +695,9 @@ impl Refresher {
             }
             Err(Failure::NoRecords { negative_ttl }) => {
                 state.last = Some(Vec::new());
+                // The name that answered is gone: the next lookup walks the search list
+                // again (the Service may come back under another of its names).
+                state.pinned = None;
                 state.failures = 0;
                 let wait =
                     negative_ttl.map_or(config.max_refresh, |t| Duration::from_secs(t.into()));
@@ -1049,6 +1052,11 @@ mod tests {
             self.zone.lock().unwrap().insert(name.to_owned(), reply);
         }
 
+        /// `name` answered NXDOMAIN from now on.
+        fn remove(&self, name: &str) {
+            self.zone.lock().unwrap().remove(name);
+        }
+
         /// The names asked since the last call.
         fn asked(&self) -> Vec<String> {
             std::mem::take(&mut *self.asked.lock().unwrap())
@@ -1179,6 +1187,21 @@ mod tests {
         assert_eq!(
             server.asked(),
             ["d.hole.test.search.test.", "d.hole.test.search.test."]
+        );
+        // The pinned name is gone (NXDOMAIN): no engines, and the pin with it; the
+        // name comes back as written, and the next lookup walks the list to find it.
+        server.remove("d.hole.test.search.test.");
+        refresh(&mut refresher).await;
+        let state = &refresher.names[0];
+        assert!(urls(state).is_empty());
+        assert_eq!(state.pinned, None);
+        server.set("d.hole.test.", Reply::A(Ipv4Addr::new(127, 0, 0, 6)));
+        refresh(&mut refresher).await;
+        let state = &refresher.names[0];
+        assert_eq!(urls(state), ["http://127.0.0.6:8200"]);
+        assert_eq!(
+            state.pinned.as_ref().map(Name::to_utf8).as_deref(),
+            Some("d.hole.test.")
         );
     }
 

@@ -598,6 +598,10 @@ pub async fn spawn(config: FileConfig) -> Result<SpecSource, FileError> {
     Ok(source.with_task(task))
 }
 
+/// Changes in a row that do not settle before the file source warns (and counts an
+/// error) that its file never holds still.
+const UNSETTLED_WARN: u32 = 5;
+
 /// What the last poll saw, so that a state is logged and counted once.
 #[derive(PartialEq)]
 enum Seen {
@@ -609,6 +613,9 @@ enum Seen {
 
 async fn poll(config: FileConfig, publisher: SpecPublisher, bytes: Vec<u8>, reader: TimedReader) {
     let mut seen = Seen::Content(bytes);
+    // Changes in a row that never read the same twice: past a few, a writer that
+    // rewrites the file without pause (or two taking turns) is told, once per run.
+    let mut unsettled = 0u32;
     let mut interval = tokio::time::interval(config.poll_interval);
     // A slow read delays the next poll rather than bunching polls up.
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -641,8 +648,18 @@ async fn poll(config: FileConfig, publisher: SpecPublisher, bytes: Vec<u8>, read
             .await
             .is_ok_and(|again| again == bytes)
         {
+            unsettled = unsettled.saturating_add(1);
+            if unsettled == UNSETTLED_WARN {
+                tracing::warn!(
+                    path = %config.path.display(),
+                    polls = unsettled,
+                    "endpoints file changes at every poll and never reads the same twice; keeping the last good endpoints"
+                );
+                publisher.record_error();
+            }
             continue;
         }
+        unsettled = 0;
         match parse_blocking(&bytes, config.bounds).await {
             Ok(specs) => {
                 let n = specs.len();

@@ -404,7 +404,7 @@ pub(crate) async fn run(args: SimArgs) -> Result<(), BoxError> {
         ),
         None => tracing::info!(
             url = %engine.url(),
-            side_channel = %engine.side_channel_addr(),
+            side_channels = ?engine.side_channel_addrs(),
             kv_mode,
             engine_id = engine.engine_id(),
             "simulated engine serving"

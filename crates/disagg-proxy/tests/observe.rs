@@ -1087,6 +1087,14 @@ async fn client_strings_in_spans_are_cut_to_a_ceiling() {
     )
     .await;
     assert_eq!(a.status, 404, "an unknown model: {}", a.text());
+    // The leg's span may be exported before the request's: wait for the request's.
+    let has_root = || {
+        receiver
+            .spans()
+            .iter()
+            .any(|s| s["trace_id"] == trace && s["name"] == "POST /v1/completions")
+    };
+    assert!(eventually(Duration::from_secs(20), has_root).await);
     let spans = receiver.trace(trace, 1).await;
     let span = named(&spans, "POST /v1/completions");
     let at = &span["attributes"];

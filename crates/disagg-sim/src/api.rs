@@ -11,6 +11,8 @@ use crate::config::{KvMode, SimConfig};
 use crate::generate::{Generation, VOCAB_SIZE, tokenize};
 use crate::handoff::KvParamsOut;
 use crate::lax;
+use crate::limits::check_context;
+pub(crate) use crate::limits::{batch_len, check_batch};
 use crate::surface::Loras;
 
 /// An error answered in vLLM's shape:
@@ -84,42 +86,6 @@ fn error_type(status: StatusCode) -> String {
     }
 }
 
-/// Most choices (prompts × `n`) one request may ask for: the simulator builds every
-/// choice up front, so an unbounded batch would be an unbounded allocation.
-pub(crate) const MAX_CHOICES: u64 = 1024;
-
-/// Most tokens one request may ask to generate, all choices together (prompts × `n` ×
-/// the completion's token limit).
-pub(crate) const MAX_GENERATED_TOKENS: u64 = 1 << 22;
-
-/// How many prompts a `prompt` (or `text`, `input_ids`) value holds, read before they
-/// are tokenized: a list of strings or of lists is a batch, anything else one prompt.
-pub(crate) fn batch_len(prompt: Option<&Value>) -> usize {
-    match prompt {
-        Some(Value::Array(items)) if !items.iter().all(Value::is_number) => items.len(),
-        _ => 1,
-    }
-}
-
-/// Refuses a batch too large to build: more than [`MAX_CHOICES`] choices, or more than
-/// [`MAX_GENERATED_TOKENS`] tokens to generate. `n` and `max_tokens` are per prompt.
-pub(crate) fn check_batch(prompts: usize, n: u32, max_tokens: u32) -> Result<(), ApiError> {
-    let prompts = prompts as u64;
-    let choices = prompts.saturating_mul(u64::from(n));
-    if choices > MAX_CHOICES {
-        return Err(ApiError::bad_request(format!(
-            "The request asks for {choices} choices ({prompts} prompts, n={n}); at most {MAX_CHOICES} choices are served per request."
-        )));
-    }
-    let tokens = choices.saturating_mul(u64::from(max_tokens));
-    if tokens > MAX_GENERATED_TOKENS {
-        return Err(ApiError::bad_request(format!(
-            "The request asks for up to {tokens} generated tokens ({choices} choices of up to {max_tokens} tokens); at most {MAX_GENERATED_TOKENS} are served per request."
-        )));
-    }
-    Ok(())
-}
-
 /// A completion request, validated.
 #[derive(Debug)]
 pub(crate) struct CompletionRequest {
@@ -136,6 +102,9 @@ pub(crate) struct CompletionRequest {
     pub(crate) n: u32,
     pub(crate) stream: bool,
     pub(crate) include_usage: bool,
+    /// `stream_options.continuous_usage_stats` with `include_usage`: every streamed
+    /// chunk carries `usage`, as vLLM writes it.
+    pub(crate) continuous_usage: bool,
     pub(crate) stop: Vec<String>,
     pub(crate) ignore_eos: bool,
     pub(crate) include_stop_str_in_output: bool,
@@ -304,10 +273,14 @@ pub(crate) fn check_model(
         None => Ok(None),
         Some(Value::String(m)) if *m == config.model => Ok(None),
         Some(Value::String(m)) if loras.contains(m) => Ok(Some(m.clone())),
-        Some(Value::String(m)) => Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!("The model `{m}` does not exist."),
-        )),
+        Some(Value::String(m)) => {
+            let mut e = ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("The model `{m}` does not exist."),
+            );
+            e.param = Some("model");
+            Err(e)
+        }
         Some(_) => Err(ApiError::bad_request(
             "model: Input should be a valid string",
         )),
@@ -391,11 +364,13 @@ impl CompletionRequest {
             ));
         }
         let stream = lax::opt_bool(obj, "stream")?.unwrap_or(false);
-        let include_usage = match lax::field(obj, "stream_options") {
-            None => false,
+        // vLLM's `should_include_usage`: continuous usage only with `include_usage`.
+        let (include_usage, continuous_usage) = match lax::field(obj, "stream_options") {
+            None => (false, false),
             Some(Value::Object(o)) => {
-                lax::opt_bool(o, "continuous_usage_stats")?;
-                lax::opt_bool(o, "include_usage")?.unwrap_or(false)
+                let continuous = lax::opt_bool(o, "continuous_usage_stats")?.unwrap_or(false);
+                let include = lax::opt_bool(o, "include_usage")?.unwrap_or(false);
+                (include, include && continuous)
             }
             Some(_) => {
                 return Err(ApiError::bad_request(
@@ -456,12 +431,18 @@ impl CompletionRequest {
         // vLLM refuses fewer than one token; SGLang serves `max_tokens: 0`
         // (an answer without tokens).
         let least_tokens = if vllm { 1 } else { 0 };
+        if let Some((key, m)) = requested
+            && m < least_tokens
+        {
+            return Err(ApiError::bad_request(format!(
+                "{key} must be at least {least_tokens}, got {m}."
+            )));
+        }
+        if vllm {
+            let limit = requested.and_then(|(_, m)| u64::try_from(m).ok());
+            check_context(&prompts, limit, max_model_len)?;
+        }
         let max_tokens = match requested {
-            Some((key, m)) if m < least_tokens => {
-                return Err(ApiError::bad_request(format!(
-                    "{key} must be at least {least_tokens}, got {m}."
-                )));
-            }
             Some((_, m)) => {
                 let m = u64::try_from(m).unwrap_or(0);
                 if max_prompt.saturating_add(m) > max_model_len {
@@ -549,6 +530,7 @@ impl CompletionRequest {
             n,
             stream,
             include_usage,
+            continuous_usage,
             stop,
             ignore_eos,
             include_stop_str_in_output,

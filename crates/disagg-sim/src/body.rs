@@ -173,6 +173,8 @@ pub(crate) struct SseBody {
     /// Completions with `return_token_ids`: each choice's prompt ids (JSON), on that
     /// choice's first chunk.
     choice_prompt_ids: Vec<String>,
+    /// Continuous usage: each choice's prompt tokens; empty without it.
+    choice_prompt_tokens: Vec<u64>,
     /// Whether hyper had a chance to flush the events before the abort.
     abort_flushed: bool,
     finished: bool,
@@ -205,6 +207,9 @@ pub(crate) struct SseSpec {
     /// Completions with `return_token_ids`: each choice's prompt ids (JSON), written on
     /// that choice's first chunk as vLLM does; empty otherwise.
     pub(crate) choice_prompt_ids: Vec<String>,
+    /// `stream_options.continuous_usage_stats` (with `include_usage`): each choice's
+    /// prompt tokens, for the `usage` vLLM writes on every chunk; empty otherwise.
+    pub(crate) choice_prompt_tokens: Vec<u64>,
 }
 
 impl SseBody {
@@ -239,6 +244,7 @@ impl SseBody {
             prompt_token_ids: spec.prompt_token_ids,
             return_token_ids: spec.return_token_ids,
             choice_prompt_ids: spec.choice_prompt_ids,
+            choice_prompt_tokens: spec.choice_prompt_tokens,
             abort_flushed: false,
             finished: false,
         };
@@ -280,6 +286,19 @@ impl SseBody {
         })
     }
 
+    /// With continuous usage, the `usage` of a chunk of `choice`, written after its
+    /// `choices` as vLLM does: the choice's prompt tokens, its `completion` tokens
+    /// so far and their sum.
+    fn push_chunk_usage(&self, s: &mut String, choice: usize, completion: u64) {
+        if let Some(&prompt) = self.choice_prompt_tokens.get(choice) {
+            let _ = write!(
+                s,
+                ",\"usage\":{{\"prompt_tokens\":{prompt},\"total_tokens\":{},\"completion_tokens\":{completion}}}",
+                prompt + completion
+            );
+        }
+    }
+
     /// Renders the event of `phase` and returns it with the next phase.
     fn render(&self, phase: Phase) -> (String, Option<Phase>) {
         let mut s = String::with_capacity(self.prefix.len() + 128);
@@ -294,8 +313,10 @@ impl SseBody {
                 };
                 let _ = write!(
                     s,
-                    "{{\"index\":{i},\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}],\"prompt_token_ids\":{ids},\"prompt_text\":null}}\n\n"
+                    "{{\"index\":{i},\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}]"
                 );
+                self.push_chunk_usage(&mut s, i, 0);
+                let _ = write!(s, ",\"prompt_token_ids\":{ids},\"prompt_text\":null}}\n\n");
                 let next = if i + 1 < self.choices.len() {
                     Some(Phase::Role(i + 1))
                 } else {
@@ -365,7 +386,9 @@ impl SseBody {
                         );
                     }
                 }
-                s.push_str("}],\"kv_transfer_params\":");
+                s.push_str("}]");
+                self.push_chunk_usage(&mut s, choice, step as u64 + 1);
+                s.push_str(",\"kv_transfer_params\":");
                 match (&self.handoff, last) {
                     (Some(handoff), true) => s.push_str(handoff),
                     _ => s.push_str("null"),

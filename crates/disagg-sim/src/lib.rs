@@ -354,21 +354,27 @@
 //! The proxy sends both legs at once, correlated by a `transfer_id` it
 //! chose.
 //!
-//! * **Prefill** (`kv_producer`). The request's `kv_transfer_params` must
-//!   have `do_remote_decode: true` and a string `transfer_id`; the
+//! * **Prefill** (`kv_producer`). The request's `kv_transfer_params` carry
+//!   `do_remote_decode: true` and a string `transfer_id` (without them the
+//!   request is served and nothing is held, as vLLM only warns); the
 //!   `X-data-parallel-rank` header picks one of the [`SimConfig::dp_size`]
 //!   ranks, each with its own engine id ([`SimEngine::engine_ids`]), and
 //!   without the header the engine's balancer picks one (see
 //!   [Data-parallel ranks](#data-parallel-ranks)). After the prefill, the KV is held under
 //!   (engine id of the rank, transfer id) for [`SimConfig::kv_lease`] (a
-//!   transfer id already held: 400) and the answer is a plain completion
-//!   with `"kv_transfer_params": null`. A client that leaves before its
+//!   transfer id already held: 400), however the leg finished (vLLM's
+//!   `request_finished` keeps it only for a length-capped finish: not
+//!   modelled), and the answer is a plain completion with
+//!   `"kv_transfer_params": null`. A client that leaves before its
 //!   answer is complete gets nothing held. The bootstrap HTTP server at
 //!   [`SimEngine::bootstrap_addr`] answers `GET /query` with every rank:
 //!   `{"0":{"engine_id":"<id>","worker_addr":{"0":{"0":"<host>:<side channel port>"}}},..}`.
-//! * **Decode** (`kv_consumer`). The request's `kv_transfer_params` must have
+//! * **Decode** (`kv_consumer`). The request's `kv_transfer_params` carry
 //!   `do_remote_prefill: true`, `remote_bootstrap_addr`
-//!   (`"http://HOST:PORT"`), `remote_engine_id` and `transfer_id`. The
+//!   (`"http://HOST:PORT"`), `remote_engine_id` and `transfer_id` (none, or
+//!   no `do_remote_prefill`: the request is served from its prompt; the flag
+//!   without the three keys: it waits for KV nobody sends, as vLLM's "Got
+//!   invalid KVTransferParams" leaves it). The
 //!   decode asks `GET {remote_bootstrap_addr}/query` for the worker address
 //!   of `remote_engine_id`, pulls the transfer from that side channel (see
 //!   below), checks the KV against its own prompt and generates normally,
@@ -727,6 +733,7 @@ mod handoff;
 mod kv;
 mod kv_events;
 mod lax;
+mod limits;
 mod listen;
 mod lmcache;
 mod metrics;

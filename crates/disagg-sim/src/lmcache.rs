@@ -16,7 +16,7 @@ use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout};
 use zeromq::{Socket, SocketOptions, SocketSend, ZmqMessage};
 
-use crate::api::{ApiError, truthy};
+use crate::api::ApiError;
 use crate::generate::{KvDigest, mix};
 use crate::kv::{self, KvTransferError, lock, next_line, write_line};
 use crate::stats::{Counters, bump};
@@ -105,9 +105,10 @@ pub(crate) fn sender_ranks(spec: &DisaggSpec, prefill_tp_size: Option<usize>) ->
     prefill_tp_size.unwrap_or(spec.init_ports.len()).max(1)
 }
 
-/// Whether the prefill answers `{"first_tok": id}` (`ret_first_tok`).
+/// Whether the prefill answers `{"first_tok": id}`: LMCache's connector checks that
+/// the key `ret_first_tok` is in the params, whatever its value (`false` included).
 pub(crate) fn ret_first_tok(params: Option<&Map<String, Value>>) -> bool {
-    truthy(params.and_then(|p| p.get("ret_first_tok")))
+    params.is_some_and(|p| p.contains_key("ret_first_tok"))
 }
 
 /// One line a prefill sends to a receiver port.

@@ -181,6 +181,7 @@ pub(crate) fn parse(body: &Value, config: &SimConfig) -> Result<CompletionReques
         n,
         stream: lax::opt_bool(obj, "stream")?.unwrap_or(false),
         include_usage: false,
+        continuous_usage: false,
         stop: lax::opt_str_or_list(sampling, "stop")?.unwrap_or_default(),
         ignore_eos: lax::opt_bool(sampling, "ignore_eos")?.unwrap_or(false),
         include_stop_str_in_output: false,

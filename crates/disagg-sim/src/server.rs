@@ -2669,6 +2669,17 @@ async fn serve_completion(
             } else {
                 Vec::new()
             },
+            // vLLM counts each choice's own prompt (completions: choices are laid
+            // out prompt by prompt, `n` each).
+            choice_prompt_tokens: if request.continuous_usage {
+                request
+                    .prompts
+                    .iter()
+                    .flat_map(|p| std::iter::repeat_n(p.len() as u64, request.n as usize))
+                    .collect()
+            } else {
+                Vec::new()
+            },
         };
         let mut response = Response::new(SimBody::Sse(Box::new(SseBody::new(spec, guard))));
         let headers = response.headers_mut();

@@ -867,3 +867,39 @@ async fn receiver_allocates_only_the_blocks_a_prompt_can_have() {
     assert_eq!(granted["ok"], true, "{granted}");
     assert_eq!(d.stats().blocks_held, 0);
 }
+
+/// LMCache answers `first_tok` when the prefill's `kv_transfer_params` has the key
+/// `ret_first_tok` at all (`"ret_first_tok" in params`), whatever its value; without
+/// the key, the answer carries none.
+#[tokio::test]
+async fn ret_first_tok_is_read_for_presence_not_truth() {
+    let mut proxy = proxy().await;
+    let p = prefill(&proxy).await;
+    let d = decode(1).await;
+    let ids = tokenize(PROMPT);
+    for (i, flag) in [json!(true), json!(false), Value::Null, json!(0)]
+        .into_iter()
+        .enumerate()
+    {
+        let req_id = format!("rft-{i}");
+        let mut body = prefill_body(&ids, spec(&req_id, &d));
+        body["kv_transfer_params"]["ret_first_tok"] = flag.clone();
+        let reply = post(p.addr(), COMPLETIONS, &body).await;
+        assert_eq!(reply.status, 200, "{flag}: {}", reply.text());
+        let v = reply.json();
+        assert!(v["kv_transfer_params"]["first_tok"].is_u64(), "{flag}: {v}");
+        assert_eq!(
+            proxy.next(Duration::from_secs(2)).await.as_deref(),
+            Some(req_id.as_str())
+        );
+    }
+    let mut body = prefill_body(&ids, spec("rft-absent", &d));
+    body["kv_transfer_params"]
+        .as_object_mut()
+        .unwrap()
+        .remove("ret_first_tok");
+    let reply = post(p.addr(), COMPLETIONS, &body).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let v = reply.json();
+    assert!(v["kv_transfer_params"].get("first_tok").is_none(), "{v}");
+}

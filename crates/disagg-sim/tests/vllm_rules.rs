@@ -486,3 +486,185 @@ async fn vllm_completions_fail_on_a_null_max_tokens() {
     let chat_null = post(e.addr(), CHAT, &chat(json!({"max_tokens": null}))).await;
     assert_eq!(chat_null.status, 200, "{}", chat_null.text());
 }
+
+/// The `error` object of a refused request, checked for vLLM's 400 shape.
+fn bad_request(reply: &Reply) -> Value {
+    assert_eq!(reply.status, 400, "{}", reply.text());
+    let error = reply.json()["error"].clone();
+    assert_eq!(error["type"], "BadRequestError", "{error}");
+    assert_eq!(error["code"], 400, "{error}");
+    error
+}
+
+/// A prompt or a limit beyond the context is refused with vLLM's wording
+/// (`OpenAIServing._validate_input`): the prompt first, with `param`
+/// `input_tokens`, then the limit, with `param` `max_tokens`, each message
+/// ending as `VLLMValidationError` renders its parameter and value.
+#[tokio::test]
+async fn context_overflow_is_refused_with_vllm_wording_and_param() {
+    let n = disagg_sim::tokenize(PROMPT).len();
+    let room = engine(KvMode::Nixl, |c| c.max_model_len = (n + 10) as u32).await;
+    let len = n + 10;
+    let too_large = |m: usize| {
+        format!(
+            "'max_tokens' or 'max_completion_tokens' is too large: {m}. This model's maximum context length is {len} tokens and your request has {n} input tokens ({m} > {len} - {n}). (parameter=max_tokens, value={m})"
+        )
+    };
+    let reply = post(
+        room.addr(),
+        COMPLETIONS,
+        &json!({"prompt": PROMPT, "max_tokens": 11}),
+    )
+    .await;
+    let error = bad_request(&reply);
+    assert_eq!(error["message"], too_large(11), "{error}");
+    assert_eq!(error["param"], "max_tokens", "{error}");
+    // Exactly the room left is served.
+    let fits = post(
+        room.addr(),
+        COMPLETIONS,
+        &json!({"prompt": PROMPT, "max_tokens": 10}),
+    )
+    .await;
+    assert_eq!(fits.status, 200, "{}", fits.text());
+
+    // Chat: `max_completion_tokens` is checked under the same name and param.
+    let c = disagg_sim::tokenize("hi there").len();
+    let chat_room = engine(KvMode::Nixl, |cfg| cfg.max_model_len = (c + 1) as u32).await;
+    let reply = post(
+        chat_room.addr(),
+        CHAT,
+        &chat(json!({"max_completion_tokens": 5})),
+    )
+    .await;
+    let error = bad_request(&reply);
+    assert_eq!(
+        error["message"],
+        format!(
+            "'max_tokens' or 'max_completion_tokens' is too large: 5. This model's maximum context length is {} tokens and your request has {c} input tokens (5 > {} - {c}). (parameter=max_tokens, value=5)",
+            c + 1,
+            c + 1
+        ),
+        "{error}"
+    );
+    assert_eq!(error["param"], "max_tokens", "{error}");
+
+    // A prompt that fills the context is refused for its input, with or without a limit.
+    let full = engine(KvMode::Nixl, |cfg| cfg.max_model_len = n as u32).await;
+    let input = format!(
+        "This model's maximum context length is {n} tokens. However, your request has {n} input tokens. Please reduce the length of the input messages. (parameter=input_tokens, value={n})"
+    );
+    for body in [
+        json!({"prompt": PROMPT, "max_tokens": 1}),
+        json!({"prompt": PROMPT}),
+    ] {
+        let reply = post(full.addr(), COMPLETIONS, &body).await;
+        let error = bad_request(&reply);
+        assert_eq!(error["message"], input, "{body}: {error}");
+        assert_eq!(error["param"], "input_tokens", "{body}: {error}");
+    }
+}
+
+/// An unknown model is a 404 naming `model` as its `param`, as vLLM's
+/// `_check_model` answers.
+#[tokio::test]
+async fn unknown_model_names_the_model_param() {
+    let e = engine(KvMode::Nixl, |_| {}).await;
+    for (path, body) in [
+        (CHAT, chat(json!({"model": "gpt-9"}))),
+        (COMPLETIONS, json!({"model": "gpt-9", "prompt": PROMPT})),
+    ] {
+        let reply = post(e.addr(), path, &body).await;
+        assert_eq!(reply.status, 404, "{}", reply.text());
+        let error = &reply.json()["error"];
+        assert_eq!(error["type"], "NotFoundError", "{error}");
+        assert_eq!(error["message"], "The model `gpt-9` does not exist.");
+        assert_eq!(error["param"], "model", "{error}");
+    }
+}
+
+/// The `usage` of each streamed event, `None` where it has none.
+fn usages(events: &[Value]) -> Vec<Option<(u64, u64, u64)>> {
+    events
+        .iter()
+        .filter(|e| e.is_object())
+        .map(|e| {
+            e.get("usage").map(|u| {
+                let [p, c, t] = ["prompt_tokens", "completion_tokens", "total_tokens"]
+                    .map(|k| u[k].as_u64().unwrap_or_else(|| panic!("{k}: {e}")));
+                (p, c, t)
+            })
+        })
+        .collect()
+}
+
+/// With `stream_options.continuous_usage_stats` (and `include_usage`), vLLM puts
+/// `usage` on every chunk: the prompt's tokens, the chunk's choice's tokens so
+/// far (none on chat's role chunks) and their sum; then the final usage chunk.
+/// Without `include_usage` the flag does nothing.
+#[tokio::test]
+async fn continuous_usage_stats_put_usage_on_every_chunk() {
+    let e = engine(KvMode::Nixl, |_| {}).await;
+    let p = disagg_sim::tokenize("hi there").len() as u64;
+    let continuous = json!({"include_usage": true, "continuous_usage_stats": true});
+    let reply = post(
+        e.addr(),
+        CHAT,
+        &chat(json!({"n": 2, "max_tokens": 3, "ignore_eos": true, "stream": true, "stream_options": continuous})),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let events = reply.events();
+    assert_eq!(events.last(), Some(&json!("[DONE]")));
+    let mut expected = vec![Some((p, 0, p)); 2];
+    for step in 1..=3 {
+        expected.extend([Some((p, step, p + step)); 2]);
+    }
+    expected.push(Some((p, 6, p + 6)));
+    assert_eq!(usages(&events), expected, "{events:?}");
+    // The final chunk has no choices; every other one has exactly one.
+    let chunks: Vec<&Value> = events.iter().filter(|e| e.is_object()).collect();
+    for chunk in &chunks[..chunks.len() - 1] {
+        assert_eq!(
+            chunk["choices"].as_array().map(Vec::len),
+            Some(1),
+            "{chunk}"
+        );
+    }
+
+    // Completions: a batch of two prompts, each choice's own prompt counted.
+    let (short, long) = ("hi there", PROMPT);
+    let (ps, pl) = (
+        disagg_sim::tokenize(short).len() as u64,
+        disagg_sim::tokenize(long).len() as u64,
+    );
+    let reply = post(
+        e.addr(),
+        COMPLETIONS,
+        &json!({"prompt": [short, long], "max_tokens": 2, "ignore_eos": true,
+                "stream": true, "stream_options": continuous}),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let events = reply.events();
+    let mut expected = Vec::new();
+    for step in 1..=2 {
+        expected.extend([Some((ps, step, ps + step)), Some((pl, step, pl + step))]);
+    }
+    expected.push(Some((ps + pl, 4, ps + pl + 4)));
+    assert_eq!(usages(&events), expected, "{events:?}");
+
+    // `continuous_usage_stats` alone: no usage anywhere.
+    let reply = post(
+        e.addr(),
+        CHAT,
+        &chat(json!({"stream": true, "stream_options": {"continuous_usage_stats": true}})),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert!(
+        usages(&reply.events()).iter().all(Option::is_none),
+        "{}",
+        reply.text()
+    );
+}
