@@ -74,13 +74,16 @@ use futures::{Stream, StreamExt};
 use hickory_resolver::config::{NameServerConfig, ResolveHosts, ResolverConfig, ResolverOpts};
 use hickory_resolver::net::NetError;
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
-use hickory_resolver::proto::op::{Query, ResponseCode};
+use hickory_resolver::proto::op::Query;
 use hickory_resolver::proto::rr::{Name, RData, RecordType};
 use hickory_resolver::{Hosts, Resolver, TokioResolver};
 use tokio::time::Instant;
 
 use crate::source::{SpecPublisher, SpecSource};
 use crate::spec::{EndpointSpec, ModelsError, model_names};
+
+mod outcome;
+use outcome::{Addresses, Failure, Resolved, is_v6};
 
 /// The default source name of DNS discovery (the `source` label of its metrics).
 pub const SOURCE_NAME: &str = "dns";
@@ -447,7 +450,7 @@ impl Dns {
     /// one family's addresses, or by none. Only both families answering cleanly
     /// without records (NXDOMAIN, or no records of the type) is a name without
     /// addresses, [`Failure::NoRecords`].
-    async fn addresses(&self, name: &Name) -> Result<(Vec<IpAddr>, Instant), Failure> {
+    async fn addresses(&self, name: &Name) -> Result<Addresses, Failure> {
         let listed = [RecordType::A, RecordType::AAAA].map(|kind| {
             self.hosts
                 .lookup_static_host(&Query::query(name.clone(), kind))
@@ -460,7 +463,11 @@ impl Dns {
                 let valid = Instant::from_std(lookup.valid_until());
                 until = Some(until.map_or(valid, |u| u.min(valid)));
             }
-            return Ok((ips, until.unwrap_or_else(Instant::now)));
+            return Ok(Addresses {
+                ips,
+                until: until.unwrap_or_else(Instant::now),
+                failed: None,
+            });
         }
         let (a, aaaa) = futures::join!(
             self.family(name, RecordType::A),
@@ -469,7 +476,8 @@ impl Dns {
         let mut ips = Vec::new();
         let mut until: Option<Instant> = None;
         let mut negative_ttl = None;
-        for outcome in [a, aaaa] {
+        let mut failed = None;
+        for (v6, outcome) in [(false, a), (true, aaaa)] {
             match outcome {
                 Ok((found, valid)) => {
                     ips.extend(found);
@@ -478,18 +486,26 @@ impl Dns {
                 Err(Failure::NoRecords { negative_ttl: ttl }) => {
                     negative_ttl = sooner(negative_ttl, ttl);
                 }
-                Err(failed) => return Err(failed),
+                Err(e) => match failed {
+                    // Both families failed.
+                    Some(_) => return Err(e),
+                    None => failed = Some((v6, e)),
+                },
             }
         }
-        match until {
+        match (until, failed) {
             // A family without records may have some by its negative TTL.
-            Some(until) => Ok((
+            (Some(until), failed) => Ok(Addresses {
                 ips,
-                negative_ttl.map_or(until, |t| {
+                until: negative_ttl.map_or(until, |t| {
                     until.min(Instant::now() + Duration::from_secs(t.into()))
                 }),
-            )),
-            None => Err(Failure::NoRecords { negative_ttl }),
+                failed,
+            }),
+            // No records where it answered, and a failure where it did not: not known
+            // to be without engines.
+            (None, Some((_, e))) => Err(e),
+            (None, None) => Err(Failure::NoRecords { negative_ttl }),
         }
     }
 
@@ -684,14 +700,32 @@ impl Refresher {
         let bound = |d: Duration| d.clamp(config.min_refresh, config.max_refresh);
         match outcome {
             Ok(Resolved {
-                specs,
+                mut specs,
                 ttl,
                 answered,
+                failed,
             }) => {
+                let mut due = Instant::now() + bound(ttl);
+                // One family failed beside one that answered: that family's last good
+                // engines stay, and the name is asked again as after a failure.
+                if let Some((v6, e)) = failed {
+                    let kept = state.last.iter().flatten().filter(|s| is_v6(&s.url) == v6);
+                    specs.extend(kept.cloned());
+                    self.publisher.record_error();
+                    let retry = bound(config.min_refresh);
+                    tracing::warn!(
+                        name = %state.target.name,
+                        family = if v6 { "AAAA" } else { "A" },
+                        error = %e,
+                        retry_in = ?retry,
+                        "DNS lookup of one address family failed; keeping its last good engines"
+                    );
+                    due = due.min(Instant::now() + retry);
+                }
                 state.last = Some(specs);
                 state.pinned = state.pinned.take().or(answered);
                 state.failures = 0;
-                state.due = Instant::now() + bound(ttl);
+                state.due = due;
             }
             Err(Failure::NoRecords { negative_ttl }) => {
                 state.last = Some(Vec::new());
@@ -750,58 +784,6 @@ fn dedup(mut specs: Vec<EndpointSpec>) -> Vec<EndpointSpec> {
     specs
 }
 
-/// A successful resolution: the engines, how long the answer is valid, and the fully
-/// qualified name that answered (`None` for an address written as the name).
-struct Resolved {
-    specs: Vec<EndpointSpec>,
-    ttl: Duration,
-    answered: Option<Name>,
-}
-
-#[derive(Debug)]
-enum Failure {
-    /// An answer without records: NXDOMAIN, or no records of the type asked.
-    NoRecords { negative_ttl: Option<u32> },
-    /// No answer, or an answer that is no clean negative one (SERVFAIL, refused).
-    Lookup(NetError),
-    /// Answers that name more engines than the ceiling (found so far when it stopped).
-    TooMany { found: usize, max: usize },
-}
-
-impl std::fmt::Display for Failure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Failure::NoRecords { .. } => f.write_str("no records"),
-            Failure::Lookup(e) => e.fmt(f),
-            Failure::TooMany { found, max } => write!(
-                f,
-                "the answers name {found} engines or more, past the ceiling per source \
-                 (--max-endpoints-per-source {max})"
-            ),
-        }
-    }
-}
-
-impl From<NetError> for Failure {
-    /// A clean negative answer (NXDOMAIN, or no error and no records) is
-    /// [`Failure::NoRecords`]; anything else is a failed lookup.
-    fn from(e: NetError) -> Self {
-        match &e {
-            NetError::Dns(hickory_resolver::net::DnsError::NoRecordsFound(no))
-                if matches!(
-                    no.response_code,
-                    ResponseCode::NXDomain | ResponseCode::NoError
-                ) =>
-            {
-                Failure::NoRecords {
-                    negative_ttl: no.negative_ttl,
-                }
-            }
-            _ => Failure::Lookup(e),
-        }
-    }
-}
-
 /// Resolves `target`: through its `pinned` name when it has one, else walking the
 /// names it may stand for ([`Dns::candidates`], [`first_answer`]).
 async fn resolve(
@@ -823,17 +805,23 @@ async fn resolve(
                     specs: vec![spec(target, ip, *port)],
                     ttl: Duration::MAX,
                     answered: None,
+                    failed: None,
                 });
             }
-            let ((ips, valid_until), answered) =
+            let (found, answered) =
                 first_answer(names(name)?, |n| async move { dns.addresses(&n).await }).await?;
-            if let Some(e) = too_many(ips.len()) {
+            if let Some(e) = too_many(found.ips.len()) {
                 return Err(e);
             }
             Ok(Resolved {
-                specs: ips.into_iter().map(|ip| spec(target, ip, *port)).collect(),
-                ttl: valid_until.saturating_duration_since(Instant::now()),
+                specs: found
+                    .ips
+                    .into_iter()
+                    .map(|ip| spec(target, ip, *port))
+                    .collect(),
+                ttl: found.until.saturating_duration_since(Instant::now()),
                 answered: Some(answered),
+                failed: found.failed,
             })
         }
         DnsName::Srv(name) => {
@@ -896,9 +884,14 @@ async fn resolve(
             });
             while let Some((answer, port, weight)) = answers.next().await {
                 // A target without addresses contributes nothing; one whose lookup
-                // fails fails the whole name, so that its engines are kept.
+                // fails (either family) fails the whole name, so that its engines are
+                // kept.
                 let (ips, until) = match answer {
-                    Ok(found) => found,
+                    Ok(Addresses {
+                        failed: Some((_, e)),
+                        ..
+                    }) => return Err(e),
+                    Ok(found) => (found.ips, found.until),
                     Err(Failure::NoRecords { .. }) => continue,
                     Err(e) => return Err(e),
                 };
@@ -921,6 +914,7 @@ async fn resolve(
                 specs,
                 ttl: valid_until.saturating_duration_since(Instant::now()),
                 answered: Some(answered),
+                failed: None,
             })
         }
     }
@@ -983,6 +977,9 @@ mod tests {
         A(Ipv4Addr),
         /// No answer: the query times out.
         Silent,
+        /// An A record (TTL 0), and no answer to AAAA queries (a server that drops
+        /// them).
+        ADropsAaaa(Ipv4Addr),
     }
 
     /// A DNS server on a loopback UDP port: each name of `zone` answered as it says,
@@ -1023,7 +1020,10 @@ mod tests {
                         answer.add_query(q.clone());
                         match reply {
                             Some(Reply::Silent) => continue,
-                            Some(Reply::A(ip)) => {
+                            Some(Reply::ADropsAaaa(_)) if q.query_type() == RecordType::AAAA => {
+                                continue;
+                            }
+                            Some(Reply::A(ip) | Reply::ADropsAaaa(ip)) => {
                                 if q.query_type() == RecordType::A {
                                     answer.add_answer(Record::from_rdata(
                                         q.name().clone(),
@@ -1203,6 +1203,51 @@ mod tests {
             state.pinned.as_ref().map(Name::to_utf8).as_deref(),
             Some("d.hole.test.")
         );
+    }
+
+    /// A server that drops AAAA queries does not make an IPv4 name fail: the A records
+    /// are taken, the failed family's last good engines (none here) kept, an error
+    /// counted, and the name asked again soon.
+    #[tokio::test]
+    async fn a_family_that_fails_beside_one_with_records_keeps_its_own_engines() {
+        let server = TestServer::start(&[(
+            "d.hole.test.",
+            Reply::ADropsAaaa(Ipv4Addr::new(127, 0, 0, 7)),
+        )])
+        .await;
+        let (dns, config) = dns_at(server.addr, &[], 1);
+        let (publisher, _source) = SpecSource::channel("dns");
+        let mut refresher = Refresher::new(dns, config, publisher);
+        refresher.names[0].due = Instant::now();
+        refresher.start_due();
+        let (i, outcome) = refresher.lookups.next().await.unwrap();
+        refresher.settle(i, outcome);
+        let state = &refresher.names[0];
+        let urls: Vec<&str> = state
+            .last
+            .iter()
+            .flatten()
+            .map(|e| e.url.as_str())
+            .collect();
+        assert_eq!(urls, ["http://127.0.0.7:8200"]);
+        assert_eq!(state.failures, 0);
+        // An IPv6 engine known before stays while its family fails.
+        refresher.names[0].last = Some(vec![spec(
+            &refresher.names[0].target,
+            "fd00::1".parse().unwrap(),
+            8200,
+        )]);
+        refresher.names[0].due = Instant::now();
+        refresher.start_due();
+        let (i, outcome) = refresher.lookups.next().await.unwrap();
+        refresher.settle(i, outcome);
+        let urls: Vec<&str> = refresher.names[0]
+            .last
+            .iter()
+            .flatten()
+            .map(|e| e.url.as_str())
+            .collect();
+        assert_eq!(urls, ["http://127.0.0.7:8200", "http://[fd00::1]:8200"]);
     }
 
     #[test]
