@@ -11,6 +11,9 @@
 
 #![allow(missing_docs)] // a test binary
 
+mod common;
+
+use common::{closed_port, read_text};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,7 +46,7 @@ async fn raw_engine() -> (String, mpsc::UnboundedReceiver<()>) {
         while let Ok((mut s, _)) = listener.accept().await {
             let closed = closed.clone();
             tokio::spawn(async move {
-                while let Some(request) = read_message(&mut s).await {
+                while let Some(request) = read_text(&mut s).await {
                     let whole = |status: &str, body: &str| {
                         format!(
                             "HTTP/1.1 {status}\r\ncontent-type: application/json\r\n\
@@ -85,45 +88,6 @@ async fn raw_engine() -> (String, mpsc::UnboundedReceiver<()>) {
         }
     });
     (url, rx)
-}
-
-/// The URL of a port nothing listens on: connections to it are refused.
-async fn closed_port() -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    drop(listener);
-    url
-}
-
-/// One HTTP request (head and a `content-length` body) read from `s`, as text; `None`
-/// when the connection ends first.
-async fn read_message(s: &mut TcpStream) -> Option<String> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 16 * 1024];
-    let end = loop {
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-        let n = s.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-    let length: usize = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0);
-    while buf.len() < end + length {
-        let n = s.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
-    Some(String::from_utf8_lossy(&buf).into_owned())
 }
 
 /// A proxy over the decode engines `decodes`, health-filtered with `failure_threshold`,

@@ -9,6 +9,9 @@
 
 #![allow(missing_docs)] // a test binary
 
+mod common;
+
+use common::{closed_port, read_path};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -38,7 +41,7 @@ async fn raw_engine(
             let seen = seen.clone();
             let mut release = release.clone();
             tokio::spawn(async move {
-                while let Some(path) = read_request(&mut s).await {
+                while let Some(path) = read_path(&mut s).await {
                     let _ = seen.send(path.clone());
                     let (status, body) = match path.as_str() {
                         "/v1/load_lora_adapter" => {
@@ -64,45 +67,6 @@ async fn raw_engine(
         }
     });
     (url, rx)
-}
-
-/// The URL of a port nothing listens on: connections to it are refused.
-async fn closed_port() -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    drop(listener);
-    url
-}
-
-/// One request (head and a `content-length` body) read from `s`: its path; `None` when
-/// the connection ends first.
-async fn read_request(s: &mut TcpStream) -> Option<String> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 16 * 1024];
-    let end = loop {
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-        let n = s.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-    let length: usize = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0);
-    while buf.len() < end + length {
-        let n = s.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
-    head.split(' ').nth(1).map(str::to_owned)
 }
 
 /// A proxy with the admin routes open over the decode engines `decodes`,

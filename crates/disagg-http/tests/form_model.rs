@@ -11,6 +11,9 @@
 
 #![allow(missing_docs)] // a test binary
 
+mod common;
+
+use common::read_path;
 use std::net::SocketAddr;
 
 use disagg_connectors::vllm::VllmNixl;
@@ -34,7 +37,7 @@ async fn raw_engine() -> (String, mpsc::UnboundedReceiver<String>) {
         while let Ok((mut s, _)) = listener.accept().await {
             let seen = seen.clone();
             tokio::spawn(async move {
-                while let Some(path) = read_request(&mut s).await {
+                while let Some(path) = read_path(&mut s).await {
                     let _ = seen.send(path);
                     let body = r#"{"text":"hello"}"#;
                     let out = format!(
@@ -50,37 +53,6 @@ async fn raw_engine() -> (String, mpsc::UnboundedReceiver<String>) {
         }
     });
     (url, rx)
-}
-
-/// One request (head and a `content-length` body) read from `s`: its path; `None` when
-/// the connection ends first.
-async fn read_request(s: &mut TcpStream) -> Option<String> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 16 * 1024];
-    let end = loop {
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-        let n = s.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-    let length: usize = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0);
-    while buf.len() < end + length {
-        let n = s.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
-    head.split(' ').nth(1).map(str::to_owned)
 }
 
 /// A proxy over a decode engine serving `whisper` and one serving `llama`.

@@ -10,6 +10,9 @@
 
 #![allow(missing_docs)] // a test binary
 
+mod common;
+
+use common::read_text;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -79,7 +82,7 @@ async fn engine(
             let tx = tx.clone();
             let posted_tx = posted_tx.clone();
             tokio::spawn(async move {
-                while let Some(head) = read_message(&mut s).await {
+                while let Some(head) = read_text(&mut s).await {
                     let answer = if head.starts_with("GET /v1/models ") {
                         let (body_tx, body_rx) = oneshot::channel::<String>();
                         let _ = tx.send(body_tx);
@@ -139,36 +142,6 @@ fn whole(status: u16, body: &str) -> String {
         "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     )
-}
-
-/// One request read from `s` (head and `content-length` body), as text; `None` when
-/// the connection ends first.
-async fn read_message(s: &mut TcpStream) -> Option<String> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 16 * 1024];
-    let end = loop {
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-        let n = s.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-    let length: usize = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0);
-    while buf.len() < end + length {
-        match s.read(&mut chunk).await {
-            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-            _ => return None,
-        }
-    }
-    Some(String::from_utf8_lossy(&buf).into_owned())
 }
 
 /// A proxy over the prefill `prefill` and the decode endpoints `decode`, its admin
