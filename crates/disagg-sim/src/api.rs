@@ -11,8 +11,7 @@ use crate::config::{KvMode, SimConfig};
 use crate::generate::{Generation, VOCAB_SIZE, tokenize};
 use crate::handoff::KvParamsOut;
 use crate::lax;
-use crate::limits::check_context;
-pub(crate) use crate::limits::{batch_len, check_batch};
+use crate::limits::{batch_len, check_batch, check_context};
 use crate::surface::Loras;
 
 /// An error answered in vLLM's shape:

@@ -85,7 +85,7 @@ pub(crate) fn parse(body: &Value, config: &SimConfig) -> Result<CompletionReques
         (Some(t), None) => {
             // A batch of more prompts than choices served is refused before it is
             // tokenized.
-            crate::api::check_batch(crate::api::batch_len(Some(t)), 1, 0)?;
+            crate::limits::check_batch(crate::limits::batch_len(Some(t)), 1, 0)?;
             if !(t.is_string() || t.as_array().is_some_and(|a| a.iter().all(Value::is_string))) {
                 return Err(ApiError::bad_request(
                     "text: should be a string or a list of strings",
@@ -103,7 +103,7 @@ pub(crate) fn parse(body: &Value, config: &SimConfig) -> Result<CompletionReques
                     "input_ids: should be a list of token ids or a list of lists of them",
                 ));
             }
-            crate::api::check_batch(crate::api::batch_len(Some(i)), 1, 0)?;
+            crate::limits::check_batch(crate::limits::batch_len(Some(i)), 1, 0)?;
             (completion_prompts(Some(i))?, nested)
         }
     };
@@ -160,7 +160,7 @@ pub(crate) fn parse(body: &Value, config: &SimConfig) -> Result<CompletionReques
         }
         Some(n) => u32::try_from(n).unwrap_or(1),
     };
-    crate::api::check_batch(prompts.len(), n, max_tokens)?;
+    crate::limits::check_batch(prompts.len(), n, max_tokens)?;
     let return_logprob = match obj.get("return_logprob") {
         Some(Value::Array(items)) => items
             .iter()
