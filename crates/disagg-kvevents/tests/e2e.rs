@@ -485,56 +485,9 @@ async fn an_engine_that_leaves_has_its_entries_dropped() {
     assert_eq!(subscriber.endpoints().await, vec![endpoint(&a)]);
 }
 
-/// A caller that gives up on `set_endpoints` while it waits for a leaving engine's
-/// ranks to stop (a timeout, a `select!`) leaves none of them running and nothing of
-/// the engine behind: every rank was told to stop before the first wait. On one
-/// thread, so that no rank's cancellation can finish before the one poll.
-#[tokio::test(flavor = "current_thread")]
-async fn an_unsubscribe_given_up_midway_leaves_no_rank_running_nor_entries() {
-    use futures::FutureExt as _;
-    let e = SimEngine::start(SimConfig {
-        dp_size: 2,
-        ..config(64, true)
-    })
-    .await
-    .unwrap();
-    let index = Arc::new(KvIndex::new(IndexConfig::default()));
-    let subscriber = Subscriber::new(index.clone(), sub_config());
-    subscriber
-        .set_endpoints(vec![endpoint(&e).with_dp_size(2).unwrap()])
-        .await;
-    // Both ranks deliver events.
-    let deadline = Instant::now() + WAIT;
-    let mut i = 0;
-    while status(&subscriber, &e, 1).batches == 0 || status(&subscriber, &e, 0).batches == 0 {
-        assert!(Instant::now() < deadline, "no batch from both ranks");
-        for rank in ["0", "1"] {
-            complete(&e, &prompt(900 + i, 1), &[("x-data-parallel-rank", rank)]).await;
-            i += 1;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(index.engines(), vec![e.url()]);
-    // Polled once, then dropped: the first rank's stop is still being waited for.
-    let given_up = subscriber.set_endpoints(Vec::new()).now_or_never();
-    assert!(given_up.is_none(), "the stop was not waited for");
-    assert!(subscriber.status().is_empty(), "{:?}", subscriber.status());
-    assert!(index.engines().is_empty());
-    // No rank left running writes into the index again.
-    for (i, rank) in ["0", "1", "0", "1"].into_iter().enumerate() {
-        let seed = 40 + u32::try_from(i).unwrap();
-        complete(&e, &prompt(seed, 2), &[("x-data-parallel-rank", rank)]).await;
-    }
-    let mut seen = Vec::new();
-    for _ in 0..20 {
-        tokio::time::sleep(Duration::from_millis(25)).await;
-        seen.extend(index.engines());
-    }
-    assert!(seen.is_empty(), "a rank still writes: {seen:?}");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn data_parallel_ranks_are_holders_of_their_own() {
+/// An engine of two data-parallel ranks, subscribed to, once both ranks' subscriptions
+/// have seen a batch: the engine, the index and the subscriber.
+async fn two_ranks_subscribed() -> (SimEngine, Arc<KvIndex>, Subscriber) {
     let e = SimEngine::start(SimConfig {
         dp_size: 2,
         ..config(64, true)
@@ -557,6 +510,39 @@ async fn data_parallel_ranks_are_holders_of_their_own() {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    (e, index, subscriber)
+}
+
+/// A caller that gives up on `set_endpoints` while it waits for a leaving engine's
+/// ranks to stop (a timeout, a `select!`) leaves none of them running and nothing of
+/// the engine behind: every rank was told to stop before the first wait. On one
+/// thread, so that no rank's cancellation can finish before the one poll.
+#[tokio::test(flavor = "current_thread")]
+async fn an_unsubscribe_given_up_midway_leaves_no_rank_running_nor_entries() {
+    use futures::FutureExt as _;
+    let (e, index, subscriber) = two_ranks_subscribed().await;
+    assert_eq!(index.engines(), vec![e.url()]);
+    // Polled once, then dropped: the first rank's stop is still being waited for.
+    let given_up = subscriber.set_endpoints(Vec::new()).now_or_never();
+    assert!(given_up.is_none(), "the stop was not waited for");
+    assert!(subscriber.status().is_empty(), "{:?}", subscriber.status());
+    assert!(index.engines().is_empty());
+    // No rank left running writes into the index again.
+    for (i, rank) in ["0", "1", "0", "1"].into_iter().enumerate() {
+        let seed = 40 + u32::try_from(i).unwrap();
+        complete(&e, &prompt(seed, 2), &[("x-data-parallel-rank", rank)]).await;
+    }
+    let mut seen = Vec::new();
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(25)).await;
+        seen.extend(index.engines());
+    }
+    assert!(seen.is_empty(), "a rank still writes: {seen:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_parallel_ranks_are_holders_of_their_own() {
+    let (e, index, _subscriber) = two_ranks_subscribed().await;
     let p = prompt(1, 3);
     complete(&e, &p, &[("x-data-parallel-rank", "1")]).await;
     eventually("rank 1 holds p", || {
