@@ -796,6 +796,47 @@ fn grow(share: &mut Share<'_>, wanted: usize, least: usize) -> Option<usize> {
     [wanted, least].into_iter().find(|&n| share.grow_to(n))
 }
 
+/// The budget at each scrape of `GET /metrics`: the bytes of client bodies being
+/// received now, the limit, and the freed bodies' mappings kept for reuse. Read from the
+/// budget's own counters when scraped, so a request pays nothing for them.
+#[cfg(feature = "metrics")]
+#[derive(Debug)]
+pub(crate) struct BudgetCollector(pub(crate) BodyBudget);
+
+#[cfg(feature = "metrics")]
+impl prometheus_client::collector::Collector for BudgetCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::MetricType;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let gauges = [
+            (
+                "disagg_request_body_buffered_bytes",
+                "Bytes of client request bodies being received now, all connections together.",
+                self.0.in_use(),
+            ),
+            (
+                "disagg_request_body_budget_bytes",
+                "The most bytes of client request bodies held at once (--max-buffered-bytes).",
+                self.0.limit(),
+            ),
+            (
+                "disagg_request_body_spare_bytes",
+                "Bytes of freed request bodies' memory mappings kept for the next bodies.",
+                self.0.spare_bytes(),
+            ),
+        ];
+        for (name, help, bytes) in gauges {
+            ConstGauge::new(i64::try_from(bytes).unwrap_or(i64::MAX))
+                .encode(encoder.encode_descriptor(name, help, None, MetricType::Gauge)?)?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -182,6 +182,9 @@ impl PdService {
                 Some(metrics) => metrics.register(&mut registry, &orchestrator),
                 None => crate::metrics::register_orchestrator(&mut registry, &orchestrator),
             }
+            registry.register_collector(Box::new(crate::body::BudgetCollector(
+                config.body_budget.clone(),
+            )));
             for extra in &config.extra_metrics {
                 extra.register(&mut registry);
             }
