@@ -495,22 +495,28 @@ async fn two_ranks_subscribed() -> (SimEngine, Arc<KvIndex>, Subscriber) {
     .await
     .unwrap();
     let index = Arc::new(KvIndex::new(IndexConfig::default()));
+    let subscriber = both_ranks_of(&e, &index, 900).await;
+    (e, index, subscriber)
+}
+
+/// A subscriber writing into `index`, of both ranks of `e`, once each rank's subscription
+/// has seen a batch (warm-up prompts from seed `seed` on).
+async fn both_ranks_of(e: &SimEngine, index: &Arc<KvIndex>, seed: u32) -> Subscriber {
     let subscriber = Subscriber::new(index.clone(), sub_config());
     subscriber
-        .set_endpoints(vec![endpoint(&e).with_dp_size(2).unwrap()])
+        .set_endpoints(vec![endpoint(e).with_dp_size(2).unwrap()])
         .await;
-    // Both ranks' subscriptions see a batch.
     let deadline = Instant::now() + WAIT;
     let mut i = 0;
-    while status(&subscriber, &e, 1).batches == 0 || status(&subscriber, &e, 0).batches == 0 {
+    while status(&subscriber, e, 1).batches == 0 || status(&subscriber, e, 0).batches == 0 {
         assert!(Instant::now() < deadline, "no batch from both ranks");
         for rank in ["0", "1"] {
-            complete(&e, &prompt(900 + i, 1), &[("x-data-parallel-rank", rank)]).await;
+            complete(e, &prompt(seed + i, 1), &[("x-data-parallel-rank", rank)]).await;
             i += 1;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    (e, index, subscriber)
+    subscriber
 }
 
 /// A caller that gives up on `set_endpoints` while it waits for a leaving engine's
@@ -527,17 +533,26 @@ async fn an_unsubscribe_given_up_midway_leaves_no_rank_running_nor_entries() {
     assert!(given_up.is_none(), "the stop was not waited for");
     assert!(subscriber.status().is_empty(), "{:?}", subscriber.status());
     assert!(index.engines().is_empty());
-    // No rank left running writes into the index again.
-    for (i, rank) in ["0", "1", "0", "1"].into_iter().enumerate() {
-        let seed = 40 + u32::try_from(i).unwrap();
-        complete(&e, &prompt(seed, 2), &[("x-data-parallel-rank", rank)]).await;
+    // No rank left running writes into the index again: a second subscriber, whose
+    // subscriptions see both ranks' batches, indexes every prompt that follows (and its
+    // own warm-up's), while the first index stays empty.
+    let witnessed = Arc::new(KvIndex::new(IndexConfig::default()));
+    let _witness = both_ranks_of(&e, &witnessed, 950).await;
+    let prompts: Vec<_> = (40..44).map(|seed| prompt(seed, 2)).collect();
+    for (p, rank) in prompts.iter().zip(["0", "1", "0", "1"]) {
+        complete(&e, p, &[("x-data-parallel-rank", rank)]).await;
     }
-    let mut seen = Vec::new();
-    for _ in 0..20 {
-        tokio::time::sleep(Duration::from_millis(25)).await;
-        seen.extend(index.engines());
-    }
-    assert!(seen.is_empty(), "a rank still writes: {seen:?}");
+    eventually("the witness indexed every prompt", || {
+        prompts
+            .iter()
+            .all(|p| witnessed.match_prefix(p).engine(&e.url()).is_some())
+    })
+    .await;
+    assert!(
+        index.engines().is_empty(),
+        "a rank still writes: {:?}",
+        index.engines()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

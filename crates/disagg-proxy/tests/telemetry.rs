@@ -533,9 +533,10 @@ async fn held_behind_a_busy_decode(
 
 #[tokio::test]
 async fn a_request_is_held_while_every_decode_is_saturated_then_proceeds() {
-    // The decode is busy for about 3 s (60 tokens of 50 ms): long past the checks
-    // below, however long reading it busy took.
-    const TOKENS: u32 = 60;
+    // The decode is busy for about 6 s (120 tokens of 50 ms): past the checks below
+    // however long reading it busy took (`held_behind_a_busy_decode` gives up after
+    // 5 s), plus their 300 ms.
+    const TOKENS: u32 = 120;
     let (p, d, proxy, _load, busy_since) = held_behind_a_busy_decode("10", TOKENS).await;
     let prefills = p.stats().requests;
     let url = proxy.url();
@@ -562,8 +563,9 @@ async fn a_request_is_held_while_every_decode_is_saturated_then_proceeds() {
 
 #[tokio::test]
 async fn a_request_held_too_long_is_refused_without_running_its_prefill() {
-    // The decode is busy for 5 s; the hold lasts 0.3 s.
-    let (p, _d, proxy, load, _) = held_behind_a_busy_decode("0.3", 100).await;
+    // The decode is busy for 8 s (past the 5 s reading it busy may take); the hold
+    // lasts 0.3 s.
+    let (p, _d, proxy, load, _) = held_behind_a_busy_decode("0.3", 160).await;
     let prefills = p.stats().requests;
     let sent = Instant::now();
     let a = post(&proxy.url(), COMPLETIONS, &completion("after", 2, false)).await;
