@@ -43,11 +43,14 @@
 //!   ([`SourceStats::errors`](crate::SourceStats::errors)), and is retried with a
 //!   backoff from `min_refresh` doubling up to `max_refresh`.
 //!
-//! A name's A and AAAA records are asked each on its own, and only a clean answer
-//! from both families counts: a timeout or an error of either fails the lookup, even
-//! when the other family answered (its addresses alone would drop the engines of the
-//! family that failed), and "no addresses" is the answer only when both families
-//! answered so.
+//! A name's A and AAAA records (and each SRV target's) are asked each on its own.
+//! "No addresses" is the answer only when both families answered so; a family that
+//! fails beside one without records fails the lookup; a family that fails beside one
+//! with records keeps its own last good addresses (of that name, or that SRV target and
+//! port) beside the other's new ones, is logged and counted, and the name is asked
+//! again after `min_refresh`. An address both families give (an IPv4-mapped IPv6
+//! address, `::ffff:a.b.c.d`, is the IPv4 address it maps) is one engine: a name's
+//! engines are one per address and port.
 //!
 //! The resolver is the system's (`/etc/resolv.conf` and `/etc/hosts`) unless
 //! [`DnsConfig::server`] (`--dns-server IP:PORT`) names one; then only that server is
@@ -56,11 +59,19 @@
 //! alone. A name that is not fully qualified (no final `.`) is completed as the
 //! system's resolver completes it, from resolv.conf's search list and `ndots` (a
 //! Kubernetes pod's `ndots:5` tries `prefill.llm.svc:8100` under each search domain
-//! before the name as written): the names are asked in turn, a name answering "no such
-//! name" passes on to the next, a failure of any ends the walk as a failed lookup (the
-//! name that failed may be the one that has the records), and the first name with
-//! records answers. That fully qualified name is then pinned: later refreshes ask it
-//! alone. Answers are not cached between refreshes: each refresh asks the server.
+//! before the name as written): the names are asked in turn, and the first name with
+//! records answers. A name answering "no such name" passes on to the next; so does a
+//! SERVFAIL, as with glibc's resolver (a search domain whose upstream server fails
+//! hides no name under the next), but it is remembered: without a name with records
+//! after it, the lookup failed (the name that failed may be the one that has the
+//! records). Any other failure (a timeout, a refusal) ends the walk as a failed
+//! lookup, as glibc's does. The search list is resolv.conf's last `search` or
+//! `domain` line (each replaces the other, as with glibc), and the system's domain
+//! only when it has neither. The fully qualified name that answered is then pinned:
+//! later refreshes ask it alone; not a name found past a SERVFAIL (the name that
+//! failed comes first and may be the one meant: each refresh walks the list again,
+//! until a name answers with none failing before it). Answers are not cached between
+//! refreshes: each refresh asks the server.
 
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
@@ -83,7 +94,9 @@ use crate::source::{SpecPublisher, SpecSource};
 use crate::spec::{EndpointSpec, ModelsError, model_names};
 
 mod outcome;
-use outcome::{Addresses, Failure, Resolved, is_v6};
+mod search;
+use outcome::{Addresses, Failure, FamilyFailure, Origin, Origins, Resolved, sooner};
+use search::{first_answer, search_list};
 
 /// The default source name of DNS discovery (the `source` label of its metrics).
 pub const SOURCE_NAME: &str = "dns";
@@ -350,8 +363,8 @@ fn checked(mut config: DnsConfig) -> Result<DnsConfig, DnsError> {
 #[derive(Clone)]
 struct Dns {
     resolver: TokioResolver,
-    /// The search list (resolv.conf's `search` domains, then its `domain`); none with
-    /// `--dns-server`.
+    /// The search list ([`search_list`]: resolv.conf's last `search` or `domain` line,
+    /// else the system's domain); none with `--dns-server`.
     search: Arc<[Name]>,
     /// resolv.conf's `ndots`: a name with at least this many dots is asked as it is
     /// before the search list, one with fewer after it.
@@ -375,12 +388,7 @@ fn resolver(config: &DnsConfig) -> Result<Dns, DnsError> {
         }
         None => system_config()?,
     };
-    let mut search = resolver_config.search().to_vec();
-    if let Some(domain) = resolver_config.domain()
-        && !search.contains(domain)
-    {
-        search.push(domain.clone());
-    }
+    let search = search_list(&resolver_config);
     let hosts = match opts.use_hosts_file {
         ResolveHosts::Always | ResolveHosts::Auto => Hosts::from_system().unwrap_or_default(),
         ResolveHosts::Never => Hosts::default(),
@@ -414,42 +422,13 @@ fn system_config() -> Result<(ResolverConfig, ResolverOpts), DnsError> {
 }
 
 impl Dns {
-    /// The fully qualified names `name` may stand for, in the order the system's
-    /// resolver asks them: `name` itself first when it has at least `ndots` dots (or is
-    /// under `localhost`), then `name` under each search domain, then `name` itself when
-    /// it has fewer dots. A name ending in `.` is only itself.
-    fn candidates(&self, name: &str) -> Result<Vec<Name>, Failure> {
-        let name = Name::from_utf8(name).map_err(|e| Failure::Lookup(NetError::from(e)))?;
-        if name.is_fqdn() {
-            return Ok(vec![name]);
-        }
-        let mut itself = name.clone();
-        itself.set_fqdn(true);
-        let first = usize::from(name.num_labels()) > self.ndots || name.is_localhost();
-        let mut names = Vec::with_capacity(self.search.len() + 1);
-        if first {
-            names.push(itself.clone());
-        }
-        for domain in self.search.iter() {
-            if let Ok(under) = name.clone().append_domain(domain)
-                && !names.contains(&under)
-            {
-                names.push(under);
-            }
-        }
-        if !names.contains(&itself) {
-            names.push(itself);
-        }
-        Ok(names)
-    }
-
     /// The addresses of the fully qualified `name`: from `/etc/hosts` when it knows the
-    /// name, else its A and AAAA records, each family asked on its own. A failure of
-    /// either family (a timeout, SERVFAIL, a refusal) fails the lookup, whatever the
-    /// other answered: the name's last good engines are kept rather than replaced by
-    /// one family's addresses, or by none. Only both families answering cleanly
-    /// without records (NXDOMAIN, or no records of the type) is a name without
-    /// addresses, [`Failure::NoRecords`].
+    /// name, else its A and AAAA records, each family asked on its own. A family that
+    /// fails (a timeout, SERVFAIL, a refusal) beside one with records is
+    /// [`Addresses::failed`] (the caller keeps that family's last good addresses);
+    /// beside one without records, or with the other failing too, it fails the lookup.
+    /// Only both families answering cleanly without records (NXDOMAIN, or no records of
+    /// the type) is a name without addresses, [`Failure::NoRecords`].
     async fn addresses(&self, name: &Name) -> Result<Addresses, Failure> {
         let listed = [RecordType::A, RecordType::AAAA].map(|kind| {
             self.hosts
@@ -530,37 +509,6 @@ impl Dns {
     }
 }
 
-/// The shorter of two negative TTLs, either absent.
-fn sooner(a: Option<u32>, b: Option<u32>) -> Option<u32> {
-    match (a, b) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
-}
-
-/// Asks `ask` about each of `names` in turn, as a resolver walks its search list: the
-/// first to answer with records gives the answer, with its name; one answering cleanly
-/// without records passes on to the next; any failure fails the lookup there (the name
-/// that failed may be the one that has the records). All of them without records is
-/// [`Failure::NoRecords`], the shortest negative TTL given.
-async fn first_answer<T, F, Fut>(names: Vec<Name>, mut ask: F) -> Result<(T, Name), Failure>
-where
-    F: FnMut(Name) -> Fut,
-    Fut: Future<Output = Result<T, Failure>>,
-{
-    let mut negative_ttl = None;
-    for name in names {
-        match ask(name.clone()).await {
-            Ok(found) => return Ok((found, name)),
-            Err(Failure::NoRecords { negative_ttl: ttl }) => {
-                negative_ttl = sooner(negative_ttl, ttl);
-            }
-            Err(failed) => return Err(failed),
-        }
-    }
-    Err(Failure::NoRecords { negative_ttl })
-}
-
 /// One name's state between refreshes.
 struct NameState {
     target: DnsTarget,
@@ -569,8 +517,12 @@ struct NameState {
     /// The fully qualified name that first answered with records (the target's name
     /// itself, or under a search domain): the only one asked from then on, so that
     /// the search list is walked once, not at each refresh, and a failure of the name
-    /// that answers cannot pass for another's "no such name".
+    /// that answers cannot pass for another's "no such name". A name found past a
+    /// SERVFAIL on an earlier one is not pinned: the list is walked again.
     pinned: Option<Name>,
+    /// The addresses each origin gave in the last good answer (the name's own, or each
+    /// SRV target's): a family that fails beside one that answers keeps its own.
+    origins: Arc<Origins>,
     /// When to resolve it next.
     due: Instant,
     /// Failed lookups in a row.
@@ -613,6 +565,7 @@ impl Refresher {
                 target,
                 last: None,
                 pinned: None,
+                origins: Arc::default(),
                 due: Instant::now(),
                 failures: 0,
                 looking_up: false,
@@ -684,8 +637,9 @@ impl Refresher {
             let dns = self.dns.clone();
             let target = state.target.clone();
             let pinned = state.pinned.clone();
+            let last = Arc::clone(&state.origins);
             self.lookups.push(Box::pin(async move {
-                (i, resolve(&dns, &target, pinned, max).await)
+                (i, resolve(&dns, &target, pinned, &last, max).await)
             }));
         }
     }
@@ -700,35 +654,38 @@ impl Refresher {
         let bound = |d: Duration| d.clamp(config.min_refresh, config.max_refresh);
         match outcome {
             Ok(Resolved {
-                mut specs,
+                specs,
                 ttl,
-                answered,
+                pin,
                 failed,
+                origins,
             }) => {
                 let mut due = Instant::now() + bound(ttl);
                 // One family failed beside one that answered: that family's last good
-                // engines stay, and the name is asked again as after a failure.
-                if let Some((v6, e)) = failed {
-                    let kept = state.last.iter().flatten().filter(|s| is_v6(&s.url) == v6);
-                    specs.extend(kept.cloned());
+                // engines stayed (they are among `specs`), and the name is asked again
+                // as after a failure.
+                if let Some(FamilyFailure { name, v6, error }) = failed {
                     self.publisher.record_error();
                     let retry = bound(config.min_refresh);
                     tracing::warn!(
                         name = %state.target.name,
+                        asked = %name,
                         family = if v6 { "AAAA" } else { "A" },
-                        error = %e,
+                        error = %error,
                         retry_in = ?retry,
                         "DNS lookup of one address family failed; keeping its last good engines"
                     );
                     due = due.min(Instant::now() + retry);
                 }
                 state.last = Some(specs);
-                state.pinned = state.pinned.take().or(answered);
+                state.origins = Arc::new(origins);
+                state.pinned = state.pinned.take().or(pin);
                 state.failures = 0;
                 state.due = due;
             }
             Err(Failure::NoRecords { negative_ttl }) => {
                 state.last = Some(Vec::new());
+                state.origins = Arc::default();
                 // The name that answered is gone: the next lookup walks the search list
                 // again (the Service may come back under another of its names).
                 state.pinned = None;
@@ -785,18 +742,21 @@ fn dedup(mut specs: Vec<EndpointSpec>) -> Vec<EndpointSpec> {
 }
 
 /// Resolves `target`: through its `pinned` name when it has one, else walking the
-/// names it may stand for ([`Dns::candidates`], [`first_answer`]).
+/// names it may stand for ([`Dns::candidates`], [`first_answer`]). `last` is the
+/// addresses each origin gave in the name's last good answer: a family that fails
+/// beside one that answers keeps its own from there.
 async fn resolve(
     dns: &Dns,
     target: &DnsTarget,
     pinned: Option<Name>,
+    last: &Origins,
     max: usize,
 ) -> Result<Resolved, Failure> {
-    let too_many = |found: usize| (found > max).then_some(Failure::TooMany { found, max });
     let names = |name: &str| match &pinned {
         Some(pinned) => Ok(vec![pinned.clone()]),
         None => dns.candidates(name),
     };
+    let mut engines = Engines::new(target, last, max);
     match &target.name {
         DnsName::Host { name, port } => {
             // An address written as the name is its one engine (as the resolver has it).
@@ -804,28 +764,19 @@ async fn resolve(
                 return Ok(Resolved {
                     specs: vec![spec(target, ip, *port)],
                     ttl: Duration::MAX,
-                    answered: None,
+                    pin: None,
                     failed: None,
+                    origins: Origins::new(),
                 });
             }
-            let (found, answered) =
+            let walked =
                 first_answer(names(name)?, |n| async move { dns.addresses(&n).await }).await?;
-            if let Some(e) = too_many(found.ips.len()) {
-                return Err(e);
-            }
-            Ok(Resolved {
-                specs: found
-                    .ips
-                    .into_iter()
-                    .map(|ip| spec(target, ip, *port))
-                    .collect(),
-                ttl: found.until.saturating_duration_since(Instant::now()),
-                answered: Some(answered),
-                failed: found.failed,
-            })
+            let until = walked.found.until;
+            engines.add((walked.name.clone(), *port), walked.found, None)?;
+            Ok(engines.resolved(until, walked.pin.then_some(walked.name)))
         }
         DnsName::Srv(name) => {
-            let ((records, valid_until), answered) = first_answer(names(name)?, |n| async move {
+            let walked = first_answer(names(name)?, |n| async move {
                 let lookup = dns.resolver.srv_lookup(n).await?;
                 let records: Vec<_> = lookup
                     .answers()
@@ -841,7 +792,7 @@ async fn resolve(
                 Ok((records, Instant::from_std(lookup.valid_until())))
             })
             .await?;
-            let mut valid_until = valid_until;
+            let (records, mut valid_until) = walked.found;
             let Some(best) = records.iter().map(|s| s.priority).min() else {
                 return Err(Failure::NoRecords { negative_ttl: None });
             };
@@ -873,49 +824,107 @@ async fn resolve(
                     "SRV answer names more targets than are resolved per name and refresh; the rest are left out"
                 );
             }
-            let mut specs = Vec::new();
-            let mut found = std::collections::HashSet::new();
             // Looked up SRV_LOOKUPS_IN_FLIGHT at a time, the answers taken in the
             // targets' order; returning drops the lookups still under way. A host
             // named at several ports is still asked once: the resolver shares a query
             // under way among identical lookups, and answers later ones from its cache.
             let mut answers = in_order(targets, |(host, port, weight)| async move {
-                (dns.addresses(&host).await, port, weight)
+                (dns.addresses(&host).await, host, port, weight)
             });
-            while let Some((answer, port, weight)) = answers.next().await {
+            while let Some((answer, host, port, weight)) = answers.next().await {
                 // A target without addresses contributes nothing; one whose lookup
-                // fails (either family) fails the whole name, so that its engines are
-                // kept.
-                let (ips, until) = match answer {
-                    Ok(Addresses {
-                        failed: Some((_, e)),
-                        ..
-                    }) => return Err(e),
-                    Ok(found) => (found.ips, found.until),
+                // fails in both families (or in one, the other without records) fails
+                // the whole name, so that its engines are kept. A family that fails
+                // beside one with records keeps the target's last good addresses of it.
+                let found = match answer {
+                    Ok(found) => found,
                     Err(Failure::NoRecords { .. }) => continue,
                     Err(e) => return Err(e),
                 };
-                valid_until = valid_until.min(until);
-                // An address two targets share at one port is one engine, counted once.
-                let new: Vec<IpAddr> = ips
-                    .into_iter()
-                    .filter(|ip| found.insert((*ip, port)))
-                    .collect();
-                if let Some(e) = too_many(specs.len() + new.len()) {
-                    return Err(e);
-                }
-                specs.extend(new.into_iter().map(|ip| {
-                    let mut s = spec(target, ip, port);
-                    s.weight = Some(srv_weight(weight));
-                    s
-                }));
+                valid_until = valid_until.min(found.until);
+                engines.add((host, port), found, Some(srv_weight(weight)))?;
             }
-            Ok(Resolved {
-                specs,
-                ttl: valid_until.saturating_duration_since(Instant::now()),
-                answered: Some(answered),
-                failed: None,
-            })
+            Ok(engines.resolved(valid_until, walked.pin.then_some(walked.name)))
+        }
+    }
+}
+
+/// A name's engines, made as its answers come: each address once per port (an
+/// IPv4-mapped IPv6 address as the IPv4 address it is, so that an address both
+/// families answer is one engine), at most `max` of them.
+struct Engines<'a> {
+    target: &'a DnsTarget,
+    last: &'a Origins,
+    max: usize,
+    specs: Vec<EndpointSpec>,
+    seen: std::collections::HashSet<(IpAddr, u16)>,
+    failed: Option<FamilyFailure>,
+    origins: Origins,
+}
+
+impl<'a> Engines<'a> {
+    fn new(target: &'a DnsTarget, last: &'a Origins, max: usize) -> Self {
+        Engines {
+            target,
+            last,
+            max,
+            specs: Vec::new(),
+            seen: std::collections::HashSet::new(),
+            failed: None,
+            origins: Origins::new(),
+        }
+    }
+
+    /// Adds the engines of `origin`'s addresses `found` (at its port, weighing
+    /// `weight`) and, when a family failed beside them, that family's addresses from
+    /// `origin`'s last good answer. More engines than `max` is [`Failure::TooMany`].
+    fn add(
+        &mut self,
+        origin: Origin,
+        found: Addresses,
+        weight: Option<f64>,
+    ) -> Result<(), Failure> {
+        let mut ips = found.ips;
+        if let Some((v6, error)) = found.failed {
+            let kept = self.last.get(&origin).into_iter().flatten();
+            ips.extend(kept.filter(|ip| ip.is_ipv6() == v6));
+            self.failed.get_or_insert(FamilyFailure {
+                name: origin.0.clone(),
+                v6,
+                error,
+            });
+        }
+        let port = origin.1;
+        let new: Vec<IpAddr> = ips
+            .iter()
+            .map(|ip| ip.to_canonical())
+            .filter(|ip| self.seen.insert((*ip, port)))
+            .collect();
+        let found = self.specs.len() + new.len();
+        if found > self.max {
+            return Err(Failure::TooMany {
+                found,
+                max: self.max,
+            });
+        }
+        self.specs.extend(new.into_iter().map(|ip| {
+            let mut s = spec(self.target, ip, port);
+            s.weight = weight;
+            s
+        }));
+        self.origins.insert(origin, ips);
+        Ok(())
+    }
+
+    /// The resolution: these engines, valid until `until`, `pin` the name to ask from
+    /// now on.
+    fn resolved(self, until: Instant, pin: Option<Name>) -> Resolved {
+        Resolved {
+            specs: self.specs,
+            ttl: until.saturating_duration_since(Instant::now()),
+            pin,
+            failed: self.failed,
+            origins: self.origins,
         }
     }
 }
@@ -980,6 +989,8 @@ mod tests {
         /// An A record (TTL 0), and no answer to AAAA queries (a server that drops
         /// them).
         ADropsAaaa(Ipv4Addr),
+        /// SERVFAIL, for every type.
+        ServFail,
     }
 
     /// A DNS server on a loopback UDP port: each name of `zone` answered as it says,
@@ -1031,6 +1042,9 @@ mod tests {
                                         RData::A(A(ip)),
                                     ));
                                 }
+                            }
+                            Some(Reply::ServFail) => {
+                                answer.metadata.response_code = ResponseCode::ServFail;
                             }
                             None => answer.metadata.response_code = ResponseCode::NXDomain,
                         }
@@ -1120,7 +1134,7 @@ mod tests {
     async fn a_failure_on_one_name_of_the_search_list_fails_the_lookup() {
         let server = TestServer::start(&[("d.hole.test.", Reply::Silent)]).await;
         let (dns, config) = dns_at(server.addr, &["search.test."], 1);
-        let outcome = resolve(&dns, &config.targets[0], None, 100).await;
+        let outcome = resolve(&dns, &config.targets[0], None, &Origins::new(), 100).await;
         assert!(
             matches!(outcome, Err(Failure::Lookup(_))),
             "{}",
@@ -1135,7 +1149,7 @@ mod tests {
         server.set("d.hole.test.", Reply::A(Ipv4Addr::LOCALHOST));
         let (dns, mut config) = dns_at(server.addr, &["search.test."], 1);
         config.targets[0].name = "e.hole.test:8200".parse().unwrap();
-        let outcome = resolve(&dns, &config.targets[0], None, 100).await;
+        let outcome = resolve(&dns, &config.targets[0], None, &Origins::new(), 100).await;
         assert!(matches!(outcome, Err(Failure::NoRecords { .. })));
         assert_eq!(
             server.asked(),
@@ -1146,6 +1160,106 @@ mod tests {
                 "e.hole.test.search.test."
             ]
         );
+    }
+
+    /// A SERVFAIL on one name of the search list moves on to the next, as glibc's
+    /// resolver does (a search domain whose upstream server fails does not hide the
+    /// name's records under the next one): the first name with records answers. It is
+    /// not pinned, as the name that failed comes first and may be the one meant: each
+    /// refresh walks the list again, and once the failing name answers with records, it
+    /// is the one taken, and pinned. No name with records, with a SERVFAIL among them,
+    /// is a failed lookup: the name's last good engines are kept, not emptied.
+    #[tokio::test]
+    async fn a_server_failure_on_a_search_list_name_moves_on_and_pins_nothing() {
+        let server = TestServer::start(&[
+            ("d.hole.test.broken.test.", Reply::ServFail),
+            ("d.hole.test.", Reply::A(Ipv4Addr::new(127, 0, 0, 8))),
+        ])
+        .await;
+        // Two dots, fewer than ndots: the search list first, the name as written last.
+        let (dns, config) = dns_at(server.addr, &["broken.test.", "search.test."], 5);
+        let (publisher, _source) = SpecSource::channel("dns");
+        let mut refresher = Refresher::new(dns, config, publisher);
+        let refresh = async |r: &mut Refresher| {
+            r.names[0].due = Instant::now();
+            r.start_due();
+            let (i, outcome) = r.lookups.next().await.unwrap();
+            r.settle(i, outcome);
+        };
+        let urls = |s: &NameState| -> Vec<String> {
+            s.last.iter().flatten().map(|e| e.url.clone()).collect()
+        };
+        refresh(&mut refresher).await;
+        let state = &refresher.names[0];
+        assert_eq!(urls(state), ["http://127.0.0.8:8200"]);
+        assert_eq!(state.failures, 0);
+        assert_eq!(state.pinned, None, "found past a failure: not pinned");
+        let mut asked = server.asked();
+        asked.dedup();
+        assert_eq!(
+            asked,
+            [
+                "d.hole.test.broken.test.",
+                "d.hole.test.search.test.",
+                "d.hole.test."
+            ]
+        );
+        // The name as written gone too: no name with records, a SERVFAIL among them.
+        server.remove("d.hole.test.");
+        refresh(&mut refresher).await;
+        let state = &refresher.names[0];
+        assert_eq!(state.failures, 1, "a failed lookup");
+        assert_eq!(urls(state), ["http://127.0.0.8:8200"], "the engines kept");
+        // The failing name answers: it is taken, and pinned.
+        server.set(
+            "d.hole.test.broken.test.",
+            Reply::A(Ipv4Addr::new(127, 0, 0, 9)),
+        );
+        refresh(&mut refresher).await;
+        let state = &refresher.names[0];
+        assert_eq!(urls(state), ["http://127.0.0.9:8200"]);
+        assert_eq!(
+            state.pinned.as_ref().map(Name::to_utf8).as_deref(),
+            Some("d.hole.test.broken.test.")
+        );
+    }
+
+    /// The search list is resolv.conf's last `search` or `domain` line, as glibc reads
+    /// it (each replaces the other); the system's domain (a `domain` line, else the
+    /// host name's domain) is the list only when resolv.conf has neither.
+    #[test]
+    fn the_search_list_is_the_last_search_or_domain_line() {
+        use hickory_resolver::system_conf::parse_resolv_conf;
+        let list = |config: &ResolverConfig| -> Vec<String> {
+            search_list(config).iter().map(Name::to_utf8).collect()
+        };
+        let conf = |text: &str| parse_resolv_conf(text).unwrap().0;
+        let ns = "nameserver 127.0.0.1\n";
+        assert_eq!(
+            list(&conf(&format!("domain a.test\nsearch b.test c.test\n{ns}"))),
+            ["b.test", "c.test"]
+        );
+        assert_eq!(
+            list(&conf(&format!("search b.test c.test\ndomain a.test\n{ns}"))),
+            ["a.test"]
+        );
+        assert_eq!(list(&conf(&format!("domain a.test\n{ns}"))), ["a.test"]);
+        // A `search` line beside the host name's domain (hickory's `domain` when
+        // resolv.conf has no `domain` line): the search line alone.
+        let server = NameServerConfig::udp_and_tcp(Ipv4Addr::LOCALHOST.into());
+        let from_host = |search: Vec<Name>| {
+            ResolverConfig::from_parts(
+                Some(Name::from_utf8("host.test").unwrap()),
+                search,
+                vec![server.clone()],
+            )
+        };
+        assert_eq!(
+            list(&from_host(vec![Name::from_utf8("b.test").unwrap()])),
+            ["b.test"]
+        );
+        // Neither line: the host name's domain.
+        assert_eq!(list(&from_host(Vec::new())), ["host.test"]);
     }
 
     /// The fully qualified name that first answered is the one asked from then on: a
@@ -1231,12 +1345,16 @@ mod tests {
             .collect();
         assert_eq!(urls, ["http://127.0.0.7:8200"]);
         assert_eq!(state.failures, 0);
-        // An IPv6 engine known before stays while its family fails.
-        refresher.names[0].last = Some(vec![spec(
-            &refresher.names[0].target,
-            "fd00::1".parse().unwrap(),
-            8200,
-        )]);
+        // An IPv6 address the name gave before stays while its family fails; one of
+        // another origin (another port) is no address of this one.
+        let asked = Name::from_utf8("d.hole.test.").unwrap();
+        refresher.names[0].origins = Arc::new(Origins::from([
+            (
+                (asked.clone(), 8200),
+                vec!["127.0.0.3".parse().unwrap(), "fd00::1".parse().unwrap()],
+            ),
+            ((asked, 8201), vec!["fd00::2".parse().unwrap()]),
+        ]));
         refresher.names[0].due = Instant::now();
         refresher.start_due();
         let (i, outcome) = refresher.lookups.next().await.unwrap();

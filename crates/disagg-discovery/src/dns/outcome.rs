@@ -1,9 +1,10 @@
 //! What one DNS lookup of a name gives: its engines and addresses, or why not.
 
+use std::collections::HashMap;
 use std::net::IpAddr;
 use std::time::Duration;
 
-use hickory_resolver::net::NetError;
+use hickory_resolver::net::{DnsError, NetError};
 use hickory_resolver::proto::op::ResponseCode;
 use hickory_resolver::proto::rr::Name;
 use tokio::time::Instant;
@@ -11,22 +12,40 @@ use tokio::time::Instant;
 use crate::spec::EndpointSpec;
 
 /// A successful resolution: the engines, how long the answer is valid, and the fully
-/// qualified name that answered (`None` for an address written as the name).
+/// qualified name to ask from now on.
 pub(super) struct Resolved {
     pub(super) specs: Vec<EndpointSpec>,
     pub(super) ttl: Duration,
-    pub(super) answered: Option<Name>,
-    /// A family whose lookup failed beside one that answered with records (`true`:
-    /// IPv6), and why: the name keeps its last good engines of that family.
-    pub(super) failed: Option<(bool, Failure)>,
+    /// The name that answered, when it may be pinned: `None` for an address written as
+    /// the name, and for an answer found past a server failure on an earlier name of the
+    /// search list (the name that failed may be the one meant: the list is walked again
+    /// at the next refresh).
+    pub(super) pin: Option<Name>,
+    /// The first address family that failed beside one that answered with records:
+    /// that family's last good addresses are among `specs`.
+    pub(super) failed: Option<FamilyFailure>,
+    /// The addresses each origin gave (the failed families' kept ones included): what
+    /// the next lookup keeps of a family that fails.
+    pub(super) origins: Origins,
 }
 
-/// Whether the engine URL `url` (`http://[v6]:port` or `http://v4:port`) names an
-/// IPv6 address.
-pub(super) fn is_v6(url: &str) -> bool {
-    url.strip_prefix("http://")
-        .is_some_and(|a| a.starts_with('['))
+/// An address family that failed beside one that answered with records.
+pub(super) struct FamilyFailure {
+    /// The fully qualified name asked (the name itself, or an SRV target).
+    pub(super) name: Name,
+    /// Whether it is IPv6 (AAAA) that failed.
+    pub(super) v6: bool,
+    pub(super) error: Failure,
 }
+
+/// Where some of a name's engines come from: the fully qualified name whose A/AAAA
+/// records gave their addresses (the name itself, or an SRV target), and their port.
+pub(super) type Origin = (Name, u16);
+
+/// The addresses each origin gave in a name's last good answer, as their records had
+/// them (so each one's family is known): a family whose lookup fails beside one that
+/// answers keeps its addresses from here.
+pub(super) type Origins = HashMap<Origin, Vec<IpAddr>>;
 
 /// A name's addresses.
 pub(super) struct Addresses {
@@ -49,6 +68,23 @@ pub(super) enum Failure {
     TooMany { found: usize, max: usize },
 }
 
+impl Failure {
+    /// Whether this is a server's SERVFAIL: a walk through the search list moves on to
+    /// the next name past it (as glibc's resolver does), where any other failure (a
+    /// timeout, a refusal) ends it.
+    pub(super) fn is_server_failure(&self) -> bool {
+        match self {
+            Failure::Lookup(NetError::Dns(DnsError::ResponseCode(code))) => {
+                *code == ResponseCode::ServFail
+            }
+            Failure::Lookup(NetError::Dns(DnsError::NoRecordsFound(no))) => {
+                no.response_code == ResponseCode::ServFail
+            }
+            _ => false,
+        }
+    }
+}
+
 impl std::fmt::Display for Failure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -68,7 +104,7 @@ impl From<NetError> for Failure {
     /// [`Failure::NoRecords`]; anything else is a failed lookup.
     fn from(e: NetError) -> Self {
         match &e {
-            NetError::Dns(hickory_resolver::net::DnsError::NoRecordsFound(no))
+            NetError::Dns(DnsError::NoRecordsFound(no))
                 if matches!(
                     no.response_code,
                     ResponseCode::NXDomain | ResponseCode::NoError
@@ -80,5 +116,13 @@ impl From<NetError> for Failure {
             }
             _ => Failure::Lookup(e),
         }
+    }
+}
+
+/// The shorter of two negative TTLs, either absent.
+pub(super) fn sooner(a: Option<u32>, b: Option<u32>) -> Option<u32> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }

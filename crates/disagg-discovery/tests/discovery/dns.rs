@@ -888,12 +888,14 @@ async fn a_name_that_never_answers_holds_no_other_names_refresh_back() {
 /// How a [`Zone`] answers one address family's queries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Answer {
-    /// One address: 127.0.8.1 (A) or fd00::81 (AAAA), with a TTL of 0.
-    Address,
+    /// One address: 127.0.8.N (A) or fd00::8N (AAAA), N from 1 to 9, with a TTL of 0.
+    Address(u8),
     /// No error and no records (the name has no address of the family).
     NoData,
     /// No answer at all: the query times out.
     Silent,
+    /// SERVFAIL.
+    ServFail,
 }
 
 /// A DNS server on a loopback UDP port for the `fam.test` zone (dnsmasq forwards it
@@ -967,17 +969,18 @@ fn zone_reply(query: &[u8], answers: [Answer; 2]) -> Option<Vec<u8>> {
         [0, 28] => answers[1],
         _ => Answer::NoData,
     };
-    let rdata: &[u8] = match (answer, query.get(at + 1)?) {
+    let rdata: Vec<u8> = match (answer, query.get(at + 1)?) {
         (Answer::Silent, _) => return None,
-        (Answer::NoData, _) => &[],
-        (Answer::Address, 1) => &[127, 0, 8, 1],
-        (Answer::Address, _) => &[0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x81],
+        (Answer::NoData | Answer::ServFail, _) => Vec::new(),
+        (Answer::Address(n), 1) => vec![127, 0, 8, n],
+        (Answer::Address(n), _) => vec![0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x80 + n],
     };
     let mut reply = Vec::with_capacity(question_end + 32);
     reply.extend_from_slice(&query[..2]);
-    // A response (QR), the query's opcode and RD, authoritative (AA); RA, no error.
+    // A response (QR), the query's opcode and RD, authoritative (AA); RA, no error or
+    // SERVFAIL (2).
     reply.push(0x80 | (query[2] & 0x79) | 0x04);
-    reply.push(0x80);
+    reply.push(0x80 | if answer == Answer::ServFail { 2 } else { 0 });
     reply.extend_from_slice(&[0, 1, 0, u8::from(!rdata.is_empty()), 0, 0, 0, 0]);
     reply.extend_from_slice(query.get(12..question_end)?);
     if !rdata.is_empty() {
@@ -985,18 +988,24 @@ fn zone_reply(query: &[u8], answers: [Answer; 2]) -> Option<Vec<u8>> {
         reply.extend_from_slice(&[0xC0, 12]);
         reply.extend_from_slice(query.get(at..at + 2)?);
         reply.extend_from_slice(&[0, 1, 0, 0, 0, 0, 0, rdata.len() as u8]);
-        reply.extend_from_slice(rdata);
+        reply.extend_from_slice(&rdata);
     }
     Some(reply)
 }
 
-/// A dnsmasq forwarding `fam.test` to `zone`, and the merged source of the name
-/// `d.fam.test:8200` resolved through it, once its first list is in.
-async fn through_zone(dir: &TempDir, zone: &Zone) -> Option<(Dnsmasq, MergedSource)> {
+/// A dnsmasq forwarding `fam.test` to `zone` (and serving the SRV records `srv`), and
+/// the merged source of the decode name `name` resolved through it, once its first
+/// list is in.
+async fn through_zone(
+    dir: &TempDir,
+    zone: &Zone,
+    name: &str,
+    srv: &[&str],
+) -> Option<(Dnsmasq, MergedSource)> {
     // Nothing cached: each refresh reaches the zone.
     let extra = [zone.forward(), "--no-negcache".to_owned()];
-    let server = Dnsmasq::start_with(dir, "", &[], 0, &extra).await?;
-    let mut config = config(&server, vec![target("d.fam.test:8200", Role::Decode)]);
+    let server = Dnsmasq::start_with(dir, "", srv, 0, &extra).await?;
+    let mut config = config(&server, vec![target(name, Role::Decode)]);
     config.timeout = Duration::from_millis(300);
     config.min_refresh = Duration::from_millis(200);
     config.max_refresh = Duration::from_secs(1);
@@ -1026,28 +1035,40 @@ async fn failed_lookups_keep(merged: &MergedSource, more: u64, what: &str) {
     );
 }
 
-/// Each address family is asked on its own, and a failure of either (a timeout here)
-/// fails the lookup, keeping the name's last good engines: the family that still
-/// answers does not replace them with its addresses alone. Clean answers without
+/// Each address family is asked on its own. A family that fails (a timeout here)
+/// beside one that answers keeps its own last good engines, not known to be gone,
+/// beside the answering family's new ones, and counts an error: the IPv4 engine
+/// follows the A records while the AAAA lookups time out. Clean answers without
 /// records are an answer: the name's engines follow them.
 #[tokio::test]
-async fn a_family_that_fails_beside_one_that_answers_keeps_the_names_engines() {
+async fn a_family_that_fails_beside_one_that_answers_keeps_its_own_engines() {
     let dir = TempDir::new("dns-family-half");
-    let zone = Zone::start(Answer::Address, Answer::Address).await;
-    let Some((_server, merged)) = through_zone(&dir, &zone).await else {
+    let zone = Zone::start(Answer::Address(1), Answer::Address(1)).await;
+    let Some((_server, merged)) = through_zone(&dir, &zone, "d.fam.test:8200", &[]).await else {
         return;
     };
     assert_eq!(
         ids(&merged.snapshot(), Role::Decode),
         ["http://127.0.8.1:8200", "http://[fd00::81]:8200"]
     );
-    // AAAA times out, A still answers: a failure, not the A answer alone.
-    zone.set(Answer::Address, Answer::Silent);
-    failed_lookups_keep(&merged, 2, "AAAA timing out beside an A answer").await;
+    // AAAA times out while the A record changes: the new IPv4 engine, the IPv6 kept.
+    let errors_before = errors(&merged);
+    zone.set(Answer::Address(2), Answer::Silent);
+    wait_for(
+        &merged,
+        SEEN,
+        "the new IPv4 engine beside the kept IPv6 one",
+        |s| ids(s, Role::Decode) == ["http://127.0.8.2:8200", "http://[fd00::81]:8200"],
+    )
+    .await;
+    eventually(SEEN, "the AAAA timeout counted", || {
+        errors(&merged) > errors_before
+    })
+    .await;
     // AAAA answers without records: the name has only its IPv4 engine now.
-    zone.set(Answer::Address, Answer::NoData);
+    zone.set(Answer::Address(2), Answer::NoData);
     wait_for(&merged, SEEN, "the IPv6 engine gone", |s| {
-        ids(s, Role::Decode) == ["http://127.0.8.1:8200"]
+        ids(s, Role::Decode) == ["http://127.0.8.2:8200"]
     })
     .await;
 }
@@ -1057,8 +1078,8 @@ async fn a_family_that_fails_beside_one_that_answers_keeps_the_names_engines() {
 #[tokio::test]
 async fn a_family_that_fails_beside_one_without_records_keeps_the_names_engines() {
     let dir = TempDir::new("dns-family-none");
-    let zone = Zone::start(Answer::NoData, Answer::Address).await;
-    let Some((_server, merged)) = through_zone(&dir, &zone).await else {
+    let zone = Zone::start(Answer::NoData, Answer::Address(1)).await;
+    let Some((_server, merged)) = through_zone(&dir, &zone, "d.fam.test:8200", &[]).await else {
         return;
     };
     assert_eq!(
@@ -1076,4 +1097,77 @@ async fn a_family_that_fails_beside_one_without_records_keeps_the_names_engines(
     .await;
     // At most the lookup under way when the answers changed failed meanwhile.
     assert!(errors(&merged) <= errors_before + 1);
+}
+
+/// An SRV target whose AAAA lookup fails (SERVFAIL) while its A lookup answers is
+/// resolved as a name is: the new IPv4 engine from the A answer, the target's last good
+/// IPv6 engine kept (with its record's weight), an error counted. The failed family
+/// does not fail the whole name, which would keep the old IPv4 engine too.
+#[tokio::test]
+async fn an_srv_targets_family_that_fails_keeps_its_engines_beside_the_other() {
+    let dir = TempDir::new("dns-srv-family");
+    let zone = Zone::start(Answer::Address(1), Answer::Address(1)).await;
+    let srv = ["_fam._tcp.disagg.test,d.fam.test,8201,0,10"];
+    let Some((_server, merged)) = through_zone(&dir, &zone, "_fam._tcp.disagg.test", &srv).await
+    else {
+        return;
+    };
+    assert_eq!(
+        ids(&merged.snapshot(), Role::Decode),
+        ["http://127.0.8.1:8201", "http://[fd00::81]:8201"]
+    );
+    let errors_before = errors(&merged);
+    zone.set(Answer::Address(2), Answer::ServFail);
+    let set = wait_for(
+        &merged,
+        SEEN,
+        "the new IPv4 engine beside the kept IPv6 one",
+        |s| ids(s, Role::Decode) == ["http://127.0.8.2:8201", "http://[fd00::81]:8201"],
+    )
+    .await;
+    assert!(
+        set.by_role(Role::Decode).iter().all(|e| e.weight() == 10.0),
+        "the record's weight on both"
+    );
+    eventually(SEEN, "the AAAA SERVFAIL counted", || {
+        errors(&merged) > errors_before
+    })
+    .await;
+    // AAAA answers again: the target's IPv6 engine follows it.
+    zone.set(Answer::Address(2), Answer::Address(2));
+    wait_for(&merged, SEEN, "the new IPv6 engine", |s| {
+        ids(s, Role::Decode) == ["http://127.0.8.2:8201", "http://[fd00::82]:8201"]
+    })
+    .await;
+}
+
+/// An address that both families answer, as an A record and IPv4-mapped in an AAAA
+/// record (`::ffff:127.0.0.15`), is one engine at its IPv4 address, for a name and an
+/// SRV target alike: one endpoint per address, port and role, not two for one socket.
+#[tokio::test]
+async fn an_address_both_families_answer_is_one_engine() {
+    let dir = TempDir::new("dns-both-families");
+    let hosts = "127.0.0.15 both.disagg.test\n::ffff:127.0.0.15 both.disagg.test\n";
+    let srv = ["_both._tcp.disagg.test,both.disagg.test,8201,0,10"];
+    let Some(server) = Dnsmasq::start(&dir, hosts, &srv, 60).await else {
+        return;
+    };
+    let config = config(
+        &server,
+        vec![
+            target("both.disagg.test:8200", Role::Decode),
+            target("_both._tcp.disagg.test", Role::Decode),
+        ],
+    );
+    let merged = MergedSource::builder()
+        .source(dns::spawn(config).await.unwrap())
+        .build();
+    tokio::time::timeout(SEEN, merged.synced())
+        .await
+        .expect("the names' first list");
+    assert_eq!(
+        ids(&merged.snapshot(), Role::Decode),
+        ["http://127.0.0.15:8200", "http://127.0.0.15:8201"]
+    );
+    assert_eq!(errors(&merged), 0);
 }
