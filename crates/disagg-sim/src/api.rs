@@ -131,6 +131,8 @@ pub(crate) struct CompletionRequest {
     pub(crate) return_token_ids: bool,
     /// vLLM's completions route given `"max_tokens": null`: fails ([`crate::null_limit`]).
     pub(crate) null_max_tokens: bool,
+    /// `echo`: read for what vLLM streams when a KV load fails ([`crate::kv_load_failure`]).
+    pub(crate) echo: bool,
 }
 
 /// Appends the whitespace-separated text of a chat message's `content`.
@@ -414,7 +416,7 @@ impl CompletionRequest {
         let beam_search = lax::opt_bool(obj, "use_beam_search")?.unwrap_or(false);
         let temperature = lax::opt_float(obj, "temperature")?;
         lax::opt_int_list(obj, "stop_token_ids")?;
-        lax::opt_bool(obj, "echo")?;
+        let echo = lax::opt_bool(obj, "echo")?.unwrap_or(false);
         let (sample_logprobs, prompt_logprobs) = logprob_fields(endpoint, obj)?;
         let grammar = grammar_fields(obj)?;
 
@@ -543,6 +545,7 @@ impl CompletionRequest {
             reused_ids,
             return_token_ids,
             null_max_tokens: crate::null_limit::fails_on(vllm, endpoint, obj),
+            echo,
         })
     }
 

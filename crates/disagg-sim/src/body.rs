@@ -141,6 +141,7 @@ enum Phase {
     Role(usize),
     Token { step: usize, choice: usize },
     Usage,
+    Error,
     Done,
 }
 
@@ -175,6 +176,8 @@ pub(crate) struct SseBody {
     choice_prompt_ids: Vec<String>,
     /// Continuous usage: each choice's prompt tokens; empty without it.
     choice_prompt_tokens: Vec<u64>,
+    /// The error event that ends the answer in place of its tokens and usage (JSON).
+    error: Option<String>,
     /// Whether hyper had a chance to flush the events before the abort.
     abort_flushed: bool,
     finished: bool,
@@ -210,6 +213,11 @@ pub(crate) struct SseSpec {
     /// `stream_options.continuous_usage_stats` (with `include_usage`): each choice's
     /// prompt tokens, for the `usage` vLLM writes on every chunk; empty otherwise.
     pub(crate) choice_prompt_tokens: Vec<u64>,
+    /// An error (JSON, vLLM's error shape) streamed as one event after the role chunks,
+    /// in place of the tokens and the usage chunk, before `data: [DONE]`: how vLLM's
+    /// stream generators answer a request that finished with an error
+    /// ([`crate::kv_load_failure`]). The choices then have no tokens.
+    pub(crate) error: Option<String>,
 }
 
 impl SseBody {
@@ -245,6 +253,7 @@ impl SseBody {
             return_token_ids: spec.return_token_ids,
             choice_prompt_ids: spec.choice_prompt_ids,
             choice_prompt_tokens: spec.choice_prompt_tokens,
+            error: spec.error,
             abort_flushed: false,
             finished: false,
         };
@@ -279,7 +288,9 @@ impl SseBody {
     }
 
     fn after_tokens(&self) -> Option<Phase> {
-        Some(if self.usage.is_some() {
+        Some(if self.error.is_some() {
+            Phase::Error
+        } else if self.usage.is_some() {
             Phase::Usage
         } else {
             Phase::Done
@@ -414,6 +425,12 @@ impl SseBody {
                     );
                 }
                 s.push_str("}}\n\n");
+                (s, Some(Phase::Done))
+            }
+            Phase::Error => {
+                s.push_str("data: ");
+                s.push_str(self.error.as_deref().unwrap_or("null"));
+                s.push_str("\n\n");
                 (s, Some(Phase::Done))
             }
             Phase::Done => {

@@ -261,8 +261,19 @@
 //! completion request first
 //! waits [`SimConfig::request_delay`] (scheduling), then prefills (locally,
 //! [`SimConfig::prefill_delay_per_token`] per prompt token, or from remote
-//! KV). A decode whose KV cannot be fetched answers HTTP 500
-//! `"KV transfer failed: ..."` before any response head.
+//! KV). A decode whose KV cannot be fetched fails with a 500
+//! `"KV transfer failed: ..."` in vLLM's error shape (`InternalServerError`). In the
+//! vLLM modes this is vLLM 0.33 with `kv_load_failure_policy="fail"`: the request
+//! finishes with finish reason `error`, which vLLM answers with that 500 when not
+//! streamed; streamed, after its 200 head, a chat answer is its role chunks, one
+//! `data: {"error": {...}}` event and `data: [DONE]`, and a completions answer has
+//! no chunk of the answer at all (vLLM's generator skips an output without text
+//! before it reads its finish reason): only its usage chunk, if asked for, then
+//! `data: [DONE]` (with `echo`, the error event then `data: [DONE]`). vLLM's
+//! message is `"Internal server error"`; the simulator's says why. An SGLang decode,
+//! and a decode on another of vLLM's generation routes (`/v1/responses`,
+//! `/v1/messages`, ...: their streams' failure is not modelled), answer the 500
+//! before any response head.
 //!
 //! ## vLLM NIXL ([`KvMode::Nixl`], the default): sequential
 //!
@@ -287,9 +298,9 @@
 //!   listening, wrong engine id, unknown request id, wrong block ids, block ids
 //!   not given as one list per KV-cache group (vLLM 0.33's worker reads them group
 //!   by group: a flat list of ids cannot be read), KV of another prompt, expired
-//!   lease) is answered with HTTP 500
-//!   `"KV transfer failed: ..."` before any response head, like vLLM with
-//!   `kv_load_failure_policy="fail"`. Partial parameters with
+//!   lease) fails the request like vLLM with `kv_load_failure_policy="fail"`:
+//!   a 500 `"KV transfer failed: ..."`, or, streamed, the failure after the 200
+//!   head (see [above](#prefilldecode-disaggregation)). Partial parameters with
 //!   `do_remote_prefill` do what they do to vLLM 0.33
 //!   (`vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py`
 //!   `update_state_after_alloc`): without `remote_block_ids` (or with an empty
@@ -447,8 +458,9 @@
 //!   and [`Faults::notify_duplicates`] lose or repeat them. The answer is a
 //!   plain completion (`max_tokens: 1` gives the first token as
 //!   `choices[0].text`) with `"kv_transfer_params": {"first_tok": <id>}`
-//!   when the request asked `ret_first_tok`. A push that fails (nobody
-//!   listening, wrong port, wrong host, refused by the receiver, timed out)
+//!   whenever the request carries `ret_first_tok`, whatever its value
+//!   (`false` too). A push that fails (nobody listening, wrong port, wrong
+//!   host, refused by the receiver, timed out)
 //!   makes the request answer 500 `"KV transfer failed: rank R (..): .."`,
 //!   and that rank is not notified (ranks whose push succeeded are). A
 //!   `disagg_spec` on an engine without [`SimConfig::lmcache_proxy`] is a
@@ -732,6 +744,7 @@ mod generate;
 mod handoff;
 mod kv;
 mod kv_events;
+mod kv_load_failure;
 mod lax;
 mod limits;
 mod listen;

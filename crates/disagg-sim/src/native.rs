@@ -199,6 +199,7 @@ pub(crate) fn parse(body: &Value, config: &SimConfig) -> Result<CompletionReques
         reused_ids: false,
         return_token_ids: false,
         null_max_tokens: false,
+        echo: false,
     })
 }
 

@@ -2025,6 +2025,28 @@ fn arm_release(inner: &Inner, guard: &mut RequestGuard, target: kv::PullTarget) 
     });
 }
 
+/// The `id` of an OpenAI answer to the request.
+fn answer_id(endpoint: Endpoint, request_id: &str) -> String {
+    let prefix = match endpoint {
+        Endpoint::Chat => "chatcmpl-",
+        Endpoint::Completions => "cmpl-",
+    };
+    format!("{prefix}{request_id}")
+}
+
+/// The model a streamed answer names (JSON): the LoRA adapter the request named, as
+/// vLLM's does, or the base model.
+fn model_json(inner: &Inner, request: &CompletionRequest) -> String {
+    match &request.adapter {
+        Some(adapter) => {
+            let mut json = String::new();
+            push_json_str(&mut json, adapter);
+            json
+        }
+        None => inner.model_json.clone(),
+    }
+}
+
 /// Counts a failed KV fetch of a decode and makes its answer.
 fn kv_failure(counters: &Counters, e: &KvTransferError, request_id: &str) -> ApiError {
     bump(&counters.kv_pull_failures);
@@ -2402,7 +2424,20 @@ async fn serve_completion(
         None => None,
     };
     let remote_kv = match fetched {
-        Some(Err(e)) => return Err((kv_failure(counters, &e, request_id), guard)),
+        Some(Err(e)) => {
+            let error = kv_failure(counters, &e, request_id);
+            // vLLM's stream sent its head first: the failure is a part of the stream.
+            if crate::kv_load_failure::streamed(config.kv_mode, request) {
+                let ids = crate::kv_load_failure::StreamIds {
+                    id: answer_id(request.endpoint, request_id),
+                    created: unix_now(),
+                    model_json: model_json(inner, request),
+                    header_id,
+                };
+                return Ok(crate::kv_load_failure::stream(request, &error, ids, guard));
+            }
+            return Err((error, guard));
+        }
         Some(Ok(())) => {
             bump(&counters.remote_decodes);
             counters
@@ -2611,11 +2646,7 @@ async fn serve_completion(
         };
         return answer.stream(config.inter_token_delay, faults, guard);
     }
-    let prefix = match request.endpoint {
-        Endpoint::Chat => "chatcmpl-",
-        Endpoint::Completions => "cmpl-",
-    };
-    let id = format!("{prefix}{request_id}");
+    let id = answer_id(request.endpoint, request_id);
     let created = unix_now();
 
     // vLLM's completions route fails on its first output given `"max_tokens": null`.
@@ -2629,14 +2660,7 @@ async fn serve_completion(
             endpoint: request.endpoint,
             id,
             created,
-            model_json: match &request.adapter {
-                Some(adapter) => {
-                    let mut json = String::new();
-                    push_json_str(&mut json, adapter);
-                    json
-                }
-                None => inner.model_json.clone(),
-            },
+            model_json: model_json(inner, request),
             choices,
             usage: request
                 .include_usage
@@ -2680,6 +2704,7 @@ async fn serve_completion(
             } else {
                 Vec::new()
             },
+            error: None,
         };
         let mut response = Response::new(SimBody::Sse(Box::new(SseBody::new(spec, guard))));
         let headers = response.headers_mut();

@@ -195,12 +195,20 @@ async fn wrong_params_fail_the_pull() {
     bad["remote_host"] = json!(42);
     assert_pull_fails(&d, &with_params(chat(PROMPT, 4), bad), "host not a string").await;
 
-    // Streamed decodes fail the same way, before any response head.
+    // A streamed decode fails after vLLM's 200 head: its role chunk, then the error as
+    // an event (`kv_load_failure.rs` has the whole of it).
     let mut bad = params.clone();
     bad["remote_engine_id"] = json!("someone-else");
     let mut body = with_params(chat(PROMPT, 4), bad);
     body["stream"] = json!(true);
-    assert_pull_fails(&d, &body, "stream, wrong engine").await;
+    let reply = post(d.addr(), CHAT, &body).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let events = reply.events();
+    assert_eq!(events.len(), 3, "{}", reply.text());
+    assert_eq!(events[1]["error"]["type"], "InternalServerError");
+    let message = events[1]["error"]["message"].as_str().unwrap();
+    assert!(message.starts_with("KV transfer failed: "), "{message}");
+    assert_eq!(events[2], "[DONE]");
 
     // None of those reached the blocks: they are still held.
     assert_eq!(p.stats().blocks_held, 3);

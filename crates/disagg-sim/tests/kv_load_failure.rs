@@ -1,0 +1,197 @@
+//! A streamed vLLM decode whose KV load fails, answered as vLLM 0.33 answers it with
+//! `kv_load_failure_policy="fail"`: the request finishes with finish reason `error`
+//! (`vllm/v1/engine/__init__.py` `FinishReason.ERROR`), after Starlette's
+//! `StreamingResponse` has sent the 200 head. The chat stream generator
+//! (`vllm/entrypoints/openai/chat_completion/serving.py`) writes its role chunks, then
+//! turns the error into one error event; the completions one
+//! (`vllm/entrypoints/openai/completion/serving.py`) skips an output with no text and
+//! no tokens before it looks at its finish reason, so without `echo` the stream ends
+//! with no chunk of the answer. Either way `data: [DONE]` ends it.
+
+mod common;
+
+use common::*;
+use disagg_sim::{SimConfig, SimEngine};
+use serde_json::{Value, json};
+
+const CHAT: &str = "/v1/chat/completions";
+const COMPLETIONS: &str = "/v1/completions";
+
+// 36 words: 3 blocks of 16 tokens.
+const PROMPT: &str = "the quick brown fox jumps over the lazy dog and then some more words follow \
+    so that the prompt spans several blocks of sixteen tokens each which is what we want here \
+    to test block lists";
+
+async fn pair() -> (SimEngine, SimEngine) {
+    let prefill = SimEngine::start(SimConfig {
+        engine_id: Some("prefill-0".into()),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let decode = SimEngine::start(SimConfig {
+        engine_id: Some("decode-0".into()),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    (prefill, decode)
+}
+
+/// The prefill leg's `kv_transfer_params`, naming an engine the decode cannot pull
+/// from: its pull fails.
+async fn unpullable_params(p: &SimEngine) -> Value {
+    let body = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
+                      "kv_transfer_params": {"do_remote_decode": true}});
+    let reply = post(p.addr(), COMPLETIONS, &body).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let mut params = reply.json()["kv_transfer_params"].clone();
+    params["remote_engine_id"] = json!("someone-else");
+    params
+}
+
+/// Asserts the error event of a failed KV load: vLLM's shape for its
+/// `GenerationError` (500 `InternalServerError`), the simulator saying why.
+fn assert_error_event(event: &Value) {
+    let error = &event["error"];
+    assert_eq!(error["type"], "InternalServerError", "{event}");
+    assert_eq!(error["code"], 500, "{event}");
+    assert_eq!(error["param"], Value::Null, "{event}");
+    let message = error["message"].as_str().unwrap();
+    assert!(message.starts_with("KV transfer failed: "), "{message}");
+    assert!(message.contains("someone-else"), "{message}");
+}
+
+fn assert_streamed(reply: &Reply) {
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(
+        reply.headers["content-type"], "text/event-stream; charset=utf-8",
+        "{:?}",
+        reply.headers
+    );
+}
+
+#[tokio::test]
+async fn streamed_chat_decode_whose_pull_fails_sends_role_chunks_then_the_error_event() {
+    let (p, d) = pair().await;
+    let params = unpullable_params(&p).await;
+    let body = json!({"model": "sim-model", "messages": [{"role": "user", "content": PROMPT}],
+                      "max_tokens": 4, "n": 2, "stream": true, "return_token_ids": true,
+                      "stream_options": {"include_usage": true},
+                      "kv_transfer_params": params});
+    let reply = post(d.addr(), CHAT, &body).await;
+    assert_streamed(&reply);
+    let events = reply.events();
+    assert_eq!(events.len(), 4, "{}", reply.text());
+    // The first output makes the role chunk of every choice, the first with the
+    // prompt's ids; its finish reason `error` then raises before any token chunk, and
+    // the usage chunk (inside the same `try`) is never written.
+    for (i, role) in events[..2].iter().enumerate() {
+        assert_eq!(role["object"], "chat.completion.chunk", "{role}");
+        let choice = &role["choices"][0];
+        assert_eq!(choice["index"], i, "{role}");
+        assert_eq!(choice["delta"], json!({"role": "assistant", "content": ""}));
+        assert_eq!(choice["finish_reason"], Value::Null);
+        assert!(role.get("usage").is_none(), "{role}");
+    }
+    assert_eq!(
+        events[0]["prompt_token_ids"].as_array().unwrap().len(),
+        PROMPT.split_whitespace().count()
+    );
+    assert_error_event(&events[2]);
+    assert_eq!(events[3], "[DONE]");
+
+    // With continuous usage, the role chunk carries it: the prompt, no completion token.
+    let mut body = body;
+    body["n"] = json!(1);
+    body["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});
+    let reply = post(d.addr(), CHAT, &body).await;
+    assert_streamed(&reply);
+    let events = reply.events();
+    assert_eq!(events.len(), 3, "{}", reply.text());
+    let prompt_tokens = PROMPT.split_whitespace().count();
+    assert_eq!(
+        events[0]["usage"],
+        json!({"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
+               "completion_tokens": 0})
+    );
+    assert_error_event(&events[1]);
+    assert_eq!(events[2], "[DONE]");
+
+    // Counted as the failed pulls they are, nothing else.
+    let s = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!(
+        (
+            s.kv_pull_failures,
+            s.remote_decodes,
+            s.local_prefills,
+            s.cancelled
+        ),
+        (2, 0, 0, 0)
+    );
+    // The pull never reached the prefill's blocks.
+    assert_eq!(p.stats().blocks_held, 3);
+}
+
+#[tokio::test]
+async fn streamed_completion_decode_whose_pull_fails_ends_without_a_chunk_of_the_answer() {
+    let (p, d) = pair().await;
+    let params = unpullable_params(&p).await;
+    let prompt_tokens = PROMPT.split_whitespace().count();
+    for include_usage in [false, true] {
+        let body = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 4,
+                          "stream": true, "stream_options": {"include_usage": include_usage},
+                          "kv_transfer_params": params.clone()});
+        let reply = post(d.addr(), COMPLETIONS, &body).await;
+        assert_streamed(&reply);
+        let events = reply.events();
+        if include_usage {
+            // The loop ended normally: its usage chunk, no completion token.
+            assert_eq!(events.len(), 2, "{}", reply.text());
+            assert_eq!(events[0]["object"], "text_completion");
+            assert_eq!(events[0]["choices"], json!([]));
+            assert_eq!(
+                events[0]["usage"],
+                json!({"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
+                       "completion_tokens": 0})
+            );
+        } else {
+            assert_eq!(events.len(), 1, "{}", reply.text());
+        }
+        assert_eq!(events.last().unwrap(), "[DONE]");
+    }
+    // Not streamed, the same failure is vLLM's 500.
+    let body = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 4,
+                      "kv_transfer_params": params});
+    let reply = post(d.addr(), COMPLETIONS, &body).await;
+    assert_eq!(reply.status, 500, "{}", reply.text());
+    assert_error_event(&reply.json());
+
+    let s = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!(
+        (
+            s.kv_pull_failures,
+            s.remote_decodes,
+            s.local_prefills,
+            s.cancelled
+        ),
+        (3, 0, 0, 0)
+    );
+}
+
+#[tokio::test]
+async fn streamed_completion_with_echo_gets_the_error_event() {
+    let (p, d) = pair().await;
+    let params = unpullable_params(&p).await;
+    // The echoed prompt is text to send: the output reaches the finish-reason check.
+    let body = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 4, "echo": true,
+                      "stream": true, "stream_options": {"include_usage": true},
+                      "kv_transfer_params": params});
+    let reply = post(d.addr(), COMPLETIONS, &body).await;
+    assert_streamed(&reply);
+    let events = reply.events();
+    assert_eq!(events.len(), 2, "{}", reply.text());
+    assert_error_event(&events[0]);
+    assert_eq!(events[1], "[DONE]");
+    assert_eq!(d.stats().kv_pull_failures, 1);
+}
