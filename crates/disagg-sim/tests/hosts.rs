@@ -14,7 +14,9 @@ use disagg_sim::{KvMode, SimConfig, SimEngine, SimRole};
 use serde_json::{Value, json};
 
 const CHAT: &str = "/v1/chat/completions";
-const WAIT: Duration = Duration::from_millis(300);
+/// The bootstrap timeout: the wrong-host legs wait it out, the right-host ones must meet
+/// within it (on a loaded machine too).
+const WAIT: Duration = Duration::from_secs(2);
 const PROMPT: &str = "a prompt long enough to fill more than one block of sixteen tokens with words \
     that keep on coming until the end of the line";
 
