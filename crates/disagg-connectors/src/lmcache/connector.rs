@@ -41,20 +41,30 @@
 //!    context: the `max_model_len` of the prefill's `/tokenize` answer less the
 //!    decode's prompt (the ids and the first token). When no `/tokenize` was asked for
 //!    the prompt (its ids were the client's, or a token-reading router's), `resolve`
-//!    asks the prefill's `/tokenize` for that length alone (one character, its answer
-//!    read within 16 ids), for such a client or a `min_tokens` above 1 within the
-//!    limit (whose room it checks): a request with a limit and no such `min_tokens`
-//!    costs no round trip more. Never `null`: vLLM's completions route asserts a
-//!    number for every output. Only when the prefill's answer gives no
-//!    `max_model_len` is the key left out (vLLM's 16). A known difference: vLLM
+//!    takes that length from the prefill engine's latest `/tokenize` answer (a
+//!    prompt's, or this call's) when under 10 s old, else asks the prefill's
+//!    `/tokenize` for it alone (one character, its answer read within 16 ids), for
+//!    such a client or one with a limit above 1 (whose room it checks): at most once
+//!    per prefill engine per 10 s (requests that come together before its answer each
+//!    ask), none for a limit of 1 (the prefill's token, no decode leg) or a
+//!    `min_tokens` above the limit (refused). Never `null`:
+//!    vLLM's completions route asserts a number for every output. Only when the
+//!    prefill's answer gives no `max_model_len` is the key left out (vLLM's 16).
+//!    A known difference: vLLM
 //!    without a client limit generates at most the model's generation-config default
 //!    (`max_new_tokens`, when the model sets one) where the decode, given the rest of
 //!    the context in numbers, does not apply it. The length is
 //!    the prefill's: the decode is assumed to run with a context at least as long
 //!    (the same model, normally the same `--max-model-len`); a shorter one refuses
 //!    the leg (400) after the client had its first token. A `min_tokens` above what
-//!    the request may generate (its limit, or the context less the prompt) is refused
-//!    (400) before the prefill runs, as vLLM refuses it before generating any.
+//!    the request may generate (its limit, or the context less the prompt), and a
+//!    limit above the context less the prompt (completions' default of 16 among them),
+//!    are refused (400, the latter in vLLM's words) before the prefill runs, as vLLM
+//!    refuses them before generating any; a prompt that fills the context alone is
+//!    left to the prefill, which refuses it. None is refused on a remembered length
+//!    (one that refuses is asked afresh). An engine restarted with another
+//!    `--max-model-len` behind the same address is read anew within 10 s; until then a
+//!    request its shorter context cannot hold is refused by the decode, as above.
 //!    When the first token already ended the answer (`finish_reason: stop`,
 //!    `max_tokens: 1`, or no room left in the context), no decode leg is sent.
 //! 6. The decode's answer is turned into the client's (the plan's [`Reshape`]): the first
@@ -366,6 +376,16 @@ impl std::fmt::Display for LmcacheReceiver {
 /// refuses a prefill that declares another size, and `prepare` refuses such a pair per
 /// request when the receiver was inserted without declaring it.
 ///
+/// A request whose prompt ids were known without a `/tokenize` (the client's, or a
+/// token-reading router's) with no limit or one above 1 needs its prefill's context
+/// length (`max_model_len`): the connector remembers each prefill engine's, as any of
+/// its `/tokenize` answers told it, for 10 s (at most 1,024 engines, the oldest
+/// forgotten first), and asks it (a `/tokenize` of one character) only when it has
+/// none that recent. An engine restarted with another `--max-model-len` behind the
+/// same address is read anew within 10 s; until then a request its shorter context
+/// cannot hold is refused by the decode (400) after the client had its first token,
+/// and none is refused on a remembered length alone (a refusal asks afresh).
+///
 /// ```no_run
 /// use std::sync::Arc;
 /// use disagg_core::{Endpoint, Role};
@@ -391,6 +411,8 @@ pub struct Lmcache {
     max_prompt_tokens: usize,
     /// Bounds the decodings of large id lists on the blocking pool.
     blocking: BlockingLimit,
+    /// Each prefill engine's context length, remembered for 10 s.
+    contexts: context::ContextLengths,
 }
 
 impl Lmcache {
@@ -406,6 +428,7 @@ impl Lmcache {
             limits: VllmLimits::default(),
             max_prompt_tokens: MAX_PROMPT_TOKENS,
             blocking: BlockingLimit::default(),
+            contexts: context::ContextLengths::default(),
         }
     }
 
@@ -778,17 +801,24 @@ impl KvConnector for Lmcache {
         let max = self.max_prompt_tokens;
         let prompt = handoff.prefill.body.get_bytes("prompt");
         let asked = tokenize.is_some();
-        let (tokens, mut max_model_len) =
+        let (tokens, told) =
             ids::prompt_ids(transport, &ep, tokenize, prompt, max, &self.blocking).await?;
         if tokens.is_empty() {
             return Err(ids::empty());
         }
-        // The context's length, which no `/tokenize` told when the ids were known.
-        if !asked && max_model_len.is_none() && limit::needs_context(&plan) {
-            let model = handoff.prefill.body.get("model");
-            max_model_len = ids::context_length(transport, &ep, model, &self.blocking).await?;
-        }
-        limit::check_min_tokens(&plan, tokens.len(), max_model_len)?;
+        // The context's length, which no `/tokenize` told when the ids were known
+        // (remembered, or asked): a limit the context cannot hold is refused here, not
+        // by the decode after the prefill ran.
+        let prefill = context::Prefill {
+            transport,
+            ep: &ep,
+            model: handoff.prefill.body.get("model"),
+            blocking: &self.blocking,
+        };
+        let told = asked.then_some(told);
+        let max_model_len = (self.contexts)
+            .checked(&plan, tokens.len(), told, prefill)
+            .await?;
         handoff.prefill.body.set("prompt", &*tokens);
         handoff.decode.body.set("prompt", &*tokens);
         // Registered before the prefill leg exists: its notifications may come first.
@@ -952,6 +982,7 @@ struct KvParamsIn {
     first_tok: Option<u64>,
 }
 
+mod context;
 mod direct;
 mod ids;
 mod limit;

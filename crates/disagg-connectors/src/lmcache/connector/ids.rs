@@ -74,9 +74,9 @@ const PROBE_IDS: usize = 16;
 /// positive integer), for a prompt whose ids were known without a `/tokenize`: asked
 /// with the client's `model` (unless `null`) and a prompt of one character, since only
 /// the answer's `max_model_len` is read, that answer read within [`PROBE_IDS`] ids.
-/// Asked afresh each time (no state: an engine restarted with another
-/// `--max-model-len` behind the same address is read anew), and only when the request
-/// needs it ([`needs_context`](super::limit::needs_context)).
+/// Asked only when the request needs it ([`needs_context`](super::limit::needs_context))
+/// and no answer of the engine's told it in the last 10 s
+/// ([`ContextLengths`](super::context::ContextLengths), which remembers this answer).
 ///
 /// # Errors
 ///

@@ -45,17 +45,42 @@ pub(super) fn rest_of_context(plan: &Plan, prompt: usize) -> Option<u64> {
 }
 
 /// Whether the request needs the prefill's context length, which a `/tokenize` of
-/// its prompt tells ([`context_length`](super::ids::context_length) asks it when the
-/// ids were known): a client without a limit, whose decode gets the rest of the
-/// context, or a `min_tokens` above 1 and within the limit, which
-/// [`check_min_tokens`] holds against the room the context leaves (one token fits
-/// any prompt the prefill takes; one above the limit is refused without the context).
-/// A request without a `min_tokens` and with a limit costs no round trip more.
+/// its prompt tells (when the ids were known, remembered for 10 s or asked:
+/// [`ContextLengths`](super::context::ContextLengths)): a client without a limit, whose decode gets the rest of the
+/// context, and one whose limit is above 1, which [`check_limit`] holds against the
+/// room the context leaves (as does [`check_min_tokens`] a `min_tokens` within it).
+/// A limit of 1 needs none: the prefill's token meets it and no decode leg is sent,
+/// and the prefill refuses a prompt with no room for that token itself. Nor does a
+/// `min_tokens` above the limit, which is refused without it.
 pub(super) fn needs_context(plan: &Plan) -> bool {
-    plan.max_tokens.is_none()
-        || plan
-            .min_tokens
-            .is_some_and(|min| min > 1 && plan.max_tokens.is_none_or(|limit| min <= limit))
+    match plan.max_tokens {
+        None => true,
+        Some(limit) => limit > 1 && plan.min_tokens.is_none_or(|min| min <= limit),
+    }
+}
+
+/// The refusal (400) of a client's token limit above the room the context of
+/// `max_model_len` tokens (when known) leaves after a prompt of `prompt` ids, in vLLM's
+/// words, as vLLM refuses such a request before generating any (its prompt and limit
+/// past the context). Checked before the prefill runs: past it, the decode leg (the ids
+/// and the prefill's token, the limit less one: as many tokens) would be refused after
+/// the client had its first token, the prefill's KV pushed for nothing. A prompt that
+/// fills the context is left to the prefill, which refuses it for its length.
+pub(super) fn check_limit(
+    plan: &Plan,
+    prompt: usize,
+    max_model_len: Option<u64>,
+) -> Result<(), ConnectorError> {
+    let (Some(limit), Some(context)) = (plan.max_tokens, max_model_len) else {
+        return Ok(());
+    };
+    let prompt = u64::try_from(prompt).unwrap_or(u64::MAX);
+    if prompt < context && limit > context - prompt {
+        return Err(refused(format!(
+            "a token limit above what its context leaves: 'max_tokens' or 'max_completion_tokens' is too large: {limit}. This model's maximum context length is {context} tokens and your request has {prompt} input tokens ({limit} > {context} - {prompt}). (parameter=max_tokens, value={limit})"
+        )));
+    }
+    Ok(())
 }
 
 /// The refusal (400) of a `min_tokens` above the tokens the request may generate, as

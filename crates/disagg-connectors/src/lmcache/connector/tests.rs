@@ -896,7 +896,7 @@ async fn a_prompt_past_the_token_ceiling_fails_before_any_leg() {
         assert!(h.gate.is_none());
         assert!(h.ext.get::<Plan>().unwrap().tokens.is_none());
     }
-    let four = Tokenizer(r#"{"count":4,"max_model_len":8,"tokens":[1,2,3,4]}"#);
+    let four = Tokenizer(r#"{"count":4,"max_model_len":16,"tokens":[1,2,3,4]}"#);
     let mut h = c.prepare(&route(Some(receiver())), &text).unwrap();
     c.resolve(&mut h, &four).await.unwrap();
     assert_eq!(h.decode.body.get("prompt"), Some(&b"[1,2,3,4]"[..]));
@@ -1004,10 +1004,14 @@ fn large_id_lists_are_decoded_off_the_event_loop() {
         assert_eq!(list.len() >= 256 * 1024, off_loop, "{n} ids");
         let answer: &'static str =
             Box::leak(format!(r#"{{"count":{n},"tokens":{list}}}"#).into_boxed_str());
-        let text = request(Api::Completions, r#"{"model":"m","prompt":"hi there"}"#);
+        // A limit of 1: no context length asked (its probe is not this test's).
+        let text = request(
+            Api::Completions,
+            r#"{"model":"m","prompt":"hi there","max_tokens":1}"#,
+        );
         let client = request(
             Api::Completions,
-            &format!(r#"{{"model":"m","prompt":{list}}}"#),
+            &format!(r#"{{"model":"m","prompt":{list},"max_tokens":1}}"#),
         );
         for req in [&text, &client] {
             let c = connector();
@@ -1045,3 +1049,5 @@ fn a_chat_with_media_is_refused_before_any_leg() {
 mod fault;
 mod kinds;
 mod legs;
+mod remembered;
+mod room;

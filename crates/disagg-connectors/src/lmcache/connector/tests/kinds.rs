@@ -10,7 +10,8 @@ use super::*;
 enum Outcome {
     /// Refused (400), with this message.
     Refused(String),
-    /// Carried as these ids (the decode leg's prompt), no `/tokenize` asked.
+    /// Carried as these ids (the decode leg's prompt), no `/tokenize` of the prompt
+    /// asked (the context length's may be: [`PROBE`]).
     Ids(String),
     /// Tokenized: the `/tokenize` body asked.
     Tokenized(String),
@@ -69,13 +70,17 @@ async fn outcome(c: &Lmcache, req: &PdRequest) -> Outcome {
     if let Err(e) = c.resolve(&mut h, &engine).await {
         return failed(e);
     }
-    match engine.asked().first() {
+    match engine.asked().iter().find(|body| &body[..] != PROBE) {
         Some(body) => Outcome::Tokenized(String::from_utf8_lossy(body).into_owned()),
         None => {
             Outcome::Ids(String::from_utf8_lossy(h.decode.body.get("prompt").unwrap_or(b"")).into())
         }
     }
 }
+
+/// The `/tokenize` asking the context length of a request whose ids were known (its
+/// limit's room is checked), not the prompt's.
+const PROBE: &[u8] = br#"{"model":"m","prompt":"."}"#;
 
 fn completion(prompt: &str) -> PdRequest {
     request(

@@ -328,8 +328,10 @@ async fn a_decode_without_a_client_limit_gets_the_rest_of_the_context() {
             assert!(d.get("max_tokens").is_none(), "{unknown}: {d}");
         }
     }
-    // A client's limit is the budget, whatever the context.
-    let (h, _) = through_tokenize(Api::Chat, &chat(r#","max_tokens":4"#), eight, true).await;
+    // A client's limit is the budget, whatever the context (one wide enough to hold
+    // it: a limit above the room is refused, `room.rs`).
+    let sixteen = r#"{"count":5,"max_model_len":16,"tokens":[1,2,3,4,5]}"#;
+    let (h, _) = through_tokenize(Api::Chat, &chat(r#","max_tokens":4"#), sixteen, true).await;
     assert_eq!(json_of(&h.decode.body)["max_tokens"], 3);
 }
 
@@ -379,11 +381,11 @@ fn first_token(first: bool) -> PrefillAnswer {
 /// A client without a limit gets the rest of the context even when no `/tokenize` was
 /// asked for its prompt (ids a token-reading router made, or the client's own): the
 /// context length is asked of the prefill's `/tokenize` (any text; only its
-/// `max_model_len` is read). A request with a limit asks nothing more: its limit is the
-/// budget.
+/// `max_model_len` is read). A request with a limit asks it too (the limit's room is
+/// checked, `room.rs`), its limit being the budget. Each request here has a connector
+/// of its own: one remembers the length it learned for 10 s (`remembered.rs`).
 #[tokio::test]
 async fn a_decode_without_a_limit_gets_the_rest_of_the_context_when_the_ids_are_known() {
-    let c = connector();
     let routed = |body: &str| {
         let mut req = request(Api::Chat, body);
         req.set_tokens(Some(Arc::from(vec![5_u32, 6])));
@@ -401,7 +403,7 @@ async fn a_decode_without_a_limit_gets_the_rest_of_the_context_when_the_ids_are_
     let eight = r#"{"count":1,"max_model_len":8,"tokens":[9]}"#;
     for req in &unbounded {
         for (first, left) in [(true, 5), (false, 6)] {
-            let engine = Asked::new(eight);
+            let (c, engine) = (connector(), Asked::new(eight));
             let mut h = c.prepare(&route(Some(receiver())), req).unwrap();
             c.resolve(&mut h, &engine).await.unwrap();
             assert_eq!(
@@ -420,17 +422,26 @@ async fn a_decode_without_a_limit_gets_the_rest_of_the_context_when_the_ids_are_
             assert_eq!(d.get("max_tokens"), Some(&json!(left)), "{d}");
         }
     }
-    // With a limit, nothing is asked.
-    let engine = Asked::new(eight);
+    // With a limit, the context is asked for its room; the limit is the budget.
+    let (c, engine) = (connector(), Asked::new(eight));
     let limited =
         routed(r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":4}"#);
     let mut h = c.prepare(&route(Some(receiver())), &limited).unwrap();
     c.resolve(&mut h, &engine).await.unwrap();
-    assert!(engine.asked().is_empty(), "{:?}", engine.asked());
+    assert_eq!(
+        engine.asked(),
+        [(
+            "/tokenize".to_owned(),
+            Bytes::from_static(br#"{"model":"m","prompt":"."}"#)
+        )]
+    );
     c.complete(&mut h, &first_token(true)).await.unwrap();
     assert_eq!(json_of(&h.decode.body)["max_tokens"], 3);
     // A text prompt's own `/tokenize` tells the context: asked once.
-    let engine = Asked::new(r#"{"count":2,"max_model_len":8,"tokens":[5,6]}"#);
+    let (c, engine) = (
+        connector(),
+        Asked::new(r#"{"count":2,"max_model_len":8,"tokens":[5,6]}"#),
+    );
     let text = request(Api::Chat, chat);
     let mut h = c.prepare(&route(Some(receiver())), &text).unwrap();
     c.resolve(&mut h, &engine).await.unwrap();
@@ -509,12 +520,12 @@ async fn a_min_tokens_above_the_room_left_is_refused_before_the_prefill() {
 /// `/tokenize` told when the ids were known, even for a client with a limit: the
 /// context length is asked of the prefill's `/tokenize`, and a `min_tokens` above the
 /// room is refused (400) before the prefill, not by the decode after the client had
-/// its first token. At the room left the request is carried. A request without a
-/// `min_tokens`, with one of 1 (a token fits any prompt the prefill takes), or with one
-/// above its limit (refused by the limit alone) asks nothing more.
+/// its first token. At the room left the request is carried. The limit's own room is
+/// asked for alike (`room.rs`), whatever the `min_tokens`; one above the limit is
+/// refused by the limit alone, nothing asked. Each request here has a connector of its
+/// own: one remembers the length it learned for 10 s (`remembered.rs`).
 #[tokio::test]
 async fn a_min_tokens_with_a_limit_is_checked_against_the_room_when_the_ids_are_known() {
-    let c = connector();
     let eight = r#"{"count":1,"max_model_len":8,"tokens":[9]}"#;
     let probe = [(
         "/tokenize".to_owned(),
@@ -536,7 +547,7 @@ async fn a_min_tokens_with_a_limit_is_checked_against_the_room_when_the_ids_are_
         r#"{"model":"m","prompt":[5,6],"max_tokens":10,"min_tokens":7}"#,
     );
     for req in [routed(r#","min_tokens":7"#), client_ids] {
-        let engine = Asked::new(eight);
+        let (c, engine) = (connector(), Asked::new(eight));
         let mut h = c.prepare(&route(Some(receiver())), &req).unwrap();
         let err = c.resolve(&mut h, &engine).await.unwrap_err();
         assert_eq!(engine.asked(), probe);
@@ -549,26 +560,30 @@ async fn a_min_tokens_with_a_limit_is_checked_against_the_room_when_the_ids_are_
             "{message}"
         );
     }
-    // At the room left: carried, the decode owing one token less.
-    let engine = Asked::new(eight);
+    // At the room left (a context of 12 leaves 10 after 2 ids, the limit's room too):
+    // carried, the decode owing one token less.
+    let twelve = r#"{"count":1,"max_model_len":12,"tokens":[9]}"#;
+    let (c, engine) = (connector(), Asked::new(twelve));
     let mut h = c
-        .prepare(&route(Some(receiver())), &routed(r#","min_tokens":6"#))
+        .prepare(&route(Some(receiver())), &routed(r#","min_tokens":10"#))
         .unwrap();
     c.resolve(&mut h, &engine).await.unwrap();
     assert_eq!(engine.asked(), probe);
     c.complete(&mut h, &first_token(true)).await.unwrap();
     let d = json_of(&h.decode.body);
-    assert_eq!((&d["min_tokens"], &d["max_tokens"]), (&json!(5), &json!(9)));
-    // Nothing asked without a `min_tokens` the room could refuse.
-    for (extra, refused) in [
-        ("", false),
-        (r#","min_tokens":1"#, false),
-        (r#","min_tokens":11"#, true),
+    assert_eq!((&d["min_tokens"], &d["max_tokens"]), (&json!(9), &json!(9)));
+    // Without a `min_tokens` the room could refuse, the limit's room is asked for
+    // still; a `min_tokens` above the limit is refused by it alone, nothing asked.
+    for (extra, asked, refused) in [
+        ("", true, false),
+        (r#","min_tokens":1"#, true, false),
+        (r#","min_tokens":11"#, false, true),
     ] {
-        let engine = Asked::new(eight);
+        let (c, engine) = (connector(), Asked::new(twelve));
         let mut h = c.prepare(&route(Some(receiver())), &routed(extra)).unwrap();
         let resolved = c.resolve(&mut h, &engine).await;
-        assert!(engine.asked().is_empty(), "{extra}: {:?}", engine.asked());
+        let want = if asked { probe.to_vec() } else { Vec::new() };
+        assert_eq!(engine.asked(), want, "{extra}");
         match resolved {
             Err(e) if refused => assert!(
                 e.to_string().contains("above its token limit (10)"),

@@ -1,0 +1,429 @@
+//! Each prefill engine's context length (`max_model_len`), remembered for 10 s from any
+//! of its `/tokenize` answers (the prompt's, or the one-character probe's), so that a
+//! request whose ids were known without a `/tokenize` (the client's, or a token-reading
+//! router's) asks the prefill for it at most once per engine in that time, not once per
+//! request. Time is tokio's, paused here and moved on by hand.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use disagg_core::Orchestrator;
+use disagg_core::error::{PdError, error_chain};
+use disagg_core::source::StaticSource;
+
+use super::*;
+
+/// Engines behind one transport, every request's URI and body kept. A `/tokenize` is
+/// answered with the ids `[5, 6]` and the context length of the moment (`context`,
+/// changed as an engine restarted with another `--max-model-len` would). A
+/// `/v1/completions` leg on a prefill (a host starting with `p`) is answered with its
+/// first token, its KV declared on the decode at once (both ranks notified on
+/// `notifications`); one on the decode is refused (400, vLLM's words) when its prompt
+/// and limit pass the context, else answered.
+struct Engines {
+    context: Mutex<u64>,
+    notifications: Option<Notifications>,
+    seen: Mutex<Vec<(String, Bytes)>>,
+}
+
+impl Engines {
+    fn new(context: u64) -> Arc<Self> {
+        Self::notifying(context, None)
+    }
+
+    fn notifying(context: u64, notifications: Option<Notifications>) -> Arc<Self> {
+        Arc::new(Engines {
+            context: Mutex::new(context),
+            notifications,
+            seen: Mutex::default(),
+        })
+    }
+
+    fn context(&self) -> u64 {
+        self.context.lock().map(|c| *c).unwrap_or_default()
+    }
+
+    /// Every engine behind the transport restarted with a context of `context`.
+    fn restart(&self, context: u64) {
+        if let Ok(mut c) = self.context.lock() {
+            *c = context;
+        }
+    }
+
+    fn seen(&self) -> Vec<(String, Bytes)> {
+        self.seen.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// The context-length probes asked of the prefill at `base` (`http://host:port`).
+    fn probes(&self, base: &str) -> usize {
+        let uri = format!("{base}/tokenize");
+        self.seen()
+            .iter()
+            .filter(|(u, body)| *u == uri && &body[..] == PROBE)
+            .count()
+    }
+
+    /// Every URI asked, in order.
+    fn uris(&self) -> Vec<String> {
+        self.seen().into_iter().map(|(uri, _)| uri).collect()
+    }
+
+    /// The answer to a leg: the prefill's first token, or the decode's answer or
+    /// refusal.
+    fn leg(&self, host: &str, body: &Bytes) -> (http::StatusCode, String) {
+        let leg: Value = serde_json::from_slice(body).unwrap_or_default();
+        if host.starts_with('p') {
+            let req_id = leg["kv_transfer_params"]["disagg_spec"]["req_id"]
+                .as_str()
+                .unwrap_or_default();
+            if let Some(n) = &self.notifications {
+                n.notify(req_id);
+                n.notify(req_id);
+            }
+            let answer = r#"{"id":"cmpl-p","created":1,"model":"m","choices":[{"index":0,"text":" a","finish_reason":"length","stop_reason":null}],"usage":{"prompt_tokens":2,"completion_tokens":1,"total_tokens":3},"kv_transfer_params":{"first_tok":7}}"#;
+            return (http::StatusCode::OK, answer.to_owned());
+        }
+        let prompt = leg["prompt"].as_array().map_or(0, Vec::len) as u64;
+        let limit = leg["max_tokens"].as_u64().unwrap_or(16);
+        let context = self.context();
+        if prompt + limit > context {
+            let message = too_large(limit, context, prompt);
+            let error = json!({
+                "object": "error",
+                "message": message,
+                "type": "BadRequestError",
+                "param": null,
+                "code": 400,
+            });
+            return (http::StatusCode::BAD_REQUEST, error.to_string());
+        }
+        let answer = json!({
+            "id": "cmpl-d",
+            "object": "text_completion",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "text": " b", "finish_reason": "length", "stop_reason": null}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": 1, "total_tokens": prompt + 1},
+        });
+        (http::StatusCode::OK, answer.to_string())
+    }
+}
+
+impl Transport for Engines {
+    fn send(&self, req: http::Request<Bytes>) -> disagg_core::transport::ResponseFuture {
+        let uri = req.uri().to_string();
+        let host = req.uri().host().unwrap_or_default().to_owned();
+        if let Ok(mut seen) = self.seen.lock() {
+            seen.push((uri, req.body().clone()));
+        }
+        let (status, answer) = match req.uri().path() {
+            "/tokenize" => (
+                http::StatusCode::OK,
+                format!(
+                    r#"{{"count":2,"max_model_len":{},"tokens":[5,6]}}"#,
+                    self.context()
+                ),
+            ),
+            "/v1/completions" => self.leg(&host, req.body()),
+            _ => (http::StatusCode::NOT_FOUND, "{}".to_owned()),
+        };
+        let body = http_body_util::Full::new(Bytes::from(answer))
+            .map_err(|never| match never {})
+            .boxed();
+        let mut resp = http::Response::new(body);
+        *resp.status_mut() = status;
+        Box::pin(async move { Ok::<_, disagg_core::error::TransportError>(resp) })
+    }
+}
+
+/// The context-length probe's `/tokenize` body (the client's `model`, one character).
+const PROBE: &[u8] = br#"{"model":"m","prompt":"."}"#;
+
+/// vLLM's words for a limit of `limit` the context of `context` tokens cannot hold
+/// after a prompt of `prompt`.
+fn too_large(limit: u64, context: u64, prompt: u64) -> String {
+    format!(
+        "'max_tokens' or 'max_completion_tokens' is too large: {limit}. This model's maximum context length is {context} tokens and your request has {prompt} input tokens ({limit} > {context} - {prompt}). (parameter=max_tokens, value={limit})"
+    )
+}
+
+/// A route from the prefill at `prefill` (`http://host:port`, `@RANK` allowed) to the
+/// decode `http://d:7200`.
+fn route_from(prefill: &str) -> Route {
+    let p = Arc::new(Endpoint::new(prefill, Role::Prefill).unwrap());
+    Route::new(Some(p), Arc::new(decode()))
+}
+
+/// The decode `http://d:7200`, with its LMCache receiver.
+fn decode() -> Endpoint {
+    let facts = Facts::default()
+        .with(Facts::KV_RECEIVER, receiver().to_string())
+        .unwrap();
+    Endpoint::new("http://d:7200", Role::Decode)
+        .unwrap()
+        .with_facts(facts)
+}
+
+/// A completions request of the client's own ids `[5, 6]` and a limit of `limit`.
+fn client_ids(limit: u64) -> PdRequest {
+    request(
+        Api::Completions,
+        &format!(r#"{{"model":"m","prompt":[5,6],"max_tokens":{limit}}}"#),
+    )
+}
+
+/// A chat without a limit whose ids `[5, 6]` a token-reading router made.
+fn routed_unlimited() -> PdRequest {
+    let mut req = request(
+        Api::Chat,
+        r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+    );
+    req.set_tokens(Some(Arc::from(vec![5_u32, 6])));
+    req
+}
+
+/// `req` prepared for the route from `prefill` and resolved through `engines`.
+async fn resolved(
+    c: &Lmcache,
+    prefill: &str,
+    engines: &Engines,
+    req: &PdRequest,
+) -> Result<Handoff, ConnectorError> {
+    let mut h = c.prepare(&route_from(prefill), req)?;
+    c.resolve(&mut h, engines).await?;
+    Ok(h)
+}
+
+/// The decode leg's budget once the prefill answered a first token: the rest of the
+/// context for a client without a limit (the context less the ids and that token).
+async fn decode_budget(c: &Lmcache, mut h: Handoff) -> Value {
+    let answer = r#"{"id":"cmpl-p","created":1,"model":"m","choices":[{"index":0,"text":" a","finish_reason":"length","stop_reason":null}],"usage":null,"kv_transfer_params":{"first_tok":7}}"#;
+    c.complete(&mut h, &prefill_answer(answer.to_owned()))
+        .await
+        .unwrap();
+    let d: Value = serde_json::from_slice(&h.decode.body.to_bytes()).unwrap();
+    d["max_tokens"].clone()
+}
+
+const P: &str = "http://p:7100";
+
+/// Two known-ids requests to one prefill within 10 s ask its context length once: the
+/// second uses the length the first learned (a client without a limit gets the rest of
+/// it). 10 s after the length was learned it is asked again.
+#[tokio::test(start_paused = true)]
+async fn known_ids_requests_ask_one_prefill_its_context_once_in_ten_seconds() {
+    let c = connector();
+    let engines = Engines::new(64);
+    resolved(&c, P, &engines, &client_ids(4)).await.unwrap();
+    assert_eq!(engines.probes(P), 1);
+
+    tokio::time::advance(Duration::from_millis(9_999)).await;
+    let h = resolved(&c, P, &engines, &routed_unlimited())
+        .await
+        .unwrap();
+    assert_eq!(engines.probes(P), 1, "{:?}", engines.uris());
+    // 64 less the ids and the prefill's token.
+    assert_eq!(decode_budget(&c, h).await, json!(61));
+
+    tokio::time::advance(Duration::from_millis(1)).await;
+    resolved(&c, P, &engines, &client_ids(4)).await.unwrap();
+    assert_eq!(engines.probes(P), 2, "{:?}", engines.uris());
+    assert_eq!(engines.seen().len(), 2, "{:?}", engines.uris());
+}
+
+/// The `/tokenize` of a prompt whose ids were unknown tells the prefill's context
+/// length too: a known-ids request that follows asks nothing, and each such answer
+/// keeps the length for another 10 s.
+#[tokio::test(start_paused = true)]
+async fn a_prompts_tokenize_tells_the_context_a_known_ids_request_uses() {
+    let c = connector();
+    let engines = Engines::new(64);
+    let text = request(
+        Api::Chat,
+        r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+    );
+    resolved(&c, P, &engines, &text).await.unwrap();
+    assert_eq!(engines.uris(), [format!("{P}/tokenize")]);
+    assert_eq!(engines.probes(P), 0, "the prompt's, not a probe");
+
+    resolved(&c, P, &engines, &client_ids(4)).await.unwrap();
+    let h = resolved(&c, P, &engines, &routed_unlimited())
+        .await
+        .unwrap();
+    assert_eq!(engines.seen().len(), 1, "{:?}", engines.uris());
+    assert_eq!(decode_budget(&c, h).await, json!(61));
+
+    // 9 s on, the prompt's answer learns it anew: 9 s more, still known.
+    tokio::time::advance(Duration::from_secs(9)).await;
+    resolved(&c, P, &engines, &text).await.unwrap();
+    tokio::time::advance(Duration::from_secs(9)).await;
+    resolved(&c, P, &engines, &client_ids(4)).await.unwrap();
+    assert_eq!(engines.seen().len(), 2, "{:?}", engines.uris());
+    assert_eq!(engines.probes(P), 0);
+}
+
+/// Each prefill engine's length is its own: two prefills are asked once each, however
+/// their requests interleave. A data-parallel rank of an engine (`URL@RANK`) asks the
+/// same `/tokenize` as the engine, and shares its length.
+#[tokio::test]
+async fn each_prefill_engine_is_asked_its_context_once() {
+    let c = connector();
+    let (one, two) = ("http://p1:7100", "http://p2:7100");
+    let (small, large) = (Engines::new(16), Engines::new(64));
+    for _ in 0..3 {
+        resolved(&c, one, &small, &client_ids(4)).await.unwrap();
+        resolved(&c, two, &large, &client_ids(4)).await.unwrap();
+    }
+    resolved(&c, "http://p1:7100@1", &small, &client_ids(4))
+        .await
+        .unwrap();
+    assert_eq!(small.uris(), [format!("{one}/tokenize")]);
+    assert_eq!(large.uris(), [format!("{two}/tokenize")]);
+    // Each request's length is its engine's.
+    let h = resolved(&c, one, &small, &routed_unlimited())
+        .await
+        .unwrap();
+    assert_eq!(decode_budget(&c, h).await, json!(13));
+    let h = resolved(&c, two, &large, &routed_unlimited())
+        .await
+        .unwrap();
+    assert_eq!(decode_budget(&c, h).await, json!(61));
+    assert_eq!((small.seen().len(), large.seen().len()), (1, 1));
+}
+
+/// At most 1,024 engines' lengths are remembered: the 1,025th forgets the one learned
+/// longest ago, which is asked again; the others are still known.
+#[tokio::test(start_paused = true)]
+async fn at_most_1024_engines_are_remembered_the_oldest_forgotten_first() {
+    let c = connector();
+    let engines = Engines::new(64);
+    let base = |i: usize| format!("http://p{i}:7100");
+    for i in 0..1025 {
+        resolved(&c, &base(i), &engines, &client_ids(4))
+            .await
+            .unwrap();
+        tokio::time::advance(Duration::from_millis(1)).await;
+    }
+    assert_eq!(engines.seen().len(), 1025);
+    for i in 1..1025 {
+        resolved(&c, &base(i), &engines, &client_ids(4))
+            .await
+            .unwrap();
+        assert_eq!(engines.probes(&base(i)), 1, "{}", base(i));
+    }
+    resolved(&c, &base(0), &engines, &client_ids(4))
+        .await
+        .unwrap();
+    assert_eq!(engines.probes(&base(0)), 2);
+}
+
+/// A request is never refused on a remembered length: one that says the limit does
+/// not fit is asked afresh (an engine restarted with a longer context is read at
+/// once), and the request refused only on the engine's answer.
+#[tokio::test(start_paused = true)]
+async fn a_limit_is_refused_on_the_engines_answer_never_on_a_remembered_one() {
+    let c = connector();
+    let engines = Engines::new(8);
+    resolved(&c, P, &engines, &client_ids(4)).await.unwrap();
+    assert_eq!(engines.probes(P), 1);
+
+    // Restarted with a context of 64: a limit of 20 fits it, not the 8 remembered.
+    engines.restart(64);
+    resolved(&c, P, &engines, &client_ids(20)).await.unwrap();
+    assert_eq!(engines.probes(P), 2);
+    // The fresh answer is remembered.
+    let h = resolved(&c, P, &engines, &routed_unlimited())
+        .await
+        .unwrap();
+    assert_eq!(engines.probes(P), 2);
+    assert_eq!(decode_budget(&c, h).await, json!(61));
+
+    // A limit that fits neither: refused on the engine's answer, asked afresh.
+    let err = resolved(&c, P, &engines, &client_ids(100))
+        .await
+        .unwrap_err();
+    assert_eq!(engines.probes(P), 3);
+    let (status, body) = super::fault::answered(err);
+    assert_eq!(status, 400, "{body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains(&too_large(100, 64, 2)), "{message}");
+}
+
+/// A completions `body` served by `o`: the client's status, and its answer's body or
+/// error.
+async fn served(o: &Orchestrator, body: &str) -> (u16, String) {
+    let req = o
+        .request(
+            Api::Completions,
+            HeaderMap::new(),
+            &Bytes::from(body.to_owned()),
+        )
+        .unwrap();
+    match o.serve(req).await {
+        Ok(resp) => {
+            let status = resp.status().as_u16();
+            let body = resp.into_body().collect().await.map(|b| b.to_bytes());
+            let text = match body {
+                Ok(b) => String::from_utf8_lossy(&b).into_owned(),
+                Err(e) => format!("body error: {}", error_chain(&*e)),
+            };
+            (status, text)
+        }
+        Err(e) => (e.http().status.as_u16(), error_chain(&e as &PdError)),
+    }
+}
+
+/// An engine restarted with a shorter `--max-model-len` behind the same address: for
+/// up to 10 s a known-ids request is checked against the length remembered, its
+/// prefill runs, and its decode (the same context) refuses the leg, as a decode with a
+/// shorter context than the prefill's does: a whole answer is the decode's 400 as
+/// vLLM wrote it; a stream has had its first token and ends with an error event
+/// carrying vLLM's words. Once the 10 s have passed the length is asked anew and the
+/// request refused (400) before its prefill runs.
+#[tokio::test(start_paused = true)]
+async fn an_engine_restarted_with_a_shorter_context_is_read_anew_within_ten_seconds() {
+    let c = connector();
+    let engines = Engines::notifying(64, Some(c.notifications().clone()));
+    let prefill = Endpoint::new(P, Role::Prefill).unwrap();
+    let o = Orchestrator::builder(
+        StaticSource::new([prefill, decode()]),
+        Arc::clone(&engines),
+        c,
+    )
+    .build();
+    let body = r#"{"model":"m","prompt":[5,6],"max_tokens":7}"#;
+    let (status, answer) = served(&o, body).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(engines.probes(P), 1);
+
+    engines.restart(8);
+    tokio::time::advance(Duration::from_secs(1)).await;
+    let asked = engines.seen().len();
+    let (status, answer) = served(&o, body).await;
+    assert_eq!(status, 400, "{answer}");
+    // The decode's prompt: the ids and the prefill's token; its limit one less.
+    assert!(answer.contains(&too_large(6, 8, 3)), "{answer}");
+    let legs = [
+        format!("{P}/v1/completions"),
+        "http://d:7200/v1/completions".into(),
+    ];
+    assert_eq!(engines.uris()[asked..], legs);
+    let asked = engines.seen().len();
+    let stream = r#"{"model":"m","prompt":[5,6],"max_tokens":7,"stream":true}"#;
+    let (status, answer) = served(&o, stream).await;
+    assert_eq!(status, 200, "{answer}");
+    let (first, error) = answer.split_once(r#""text":" a""#).unwrap_or_default();
+    assert!(first.starts_with("data: "), "{answer}");
+    assert!(
+        error.contains(r#"data: {"error":"#) && error.contains(&too_large(6, 8, 3)),
+        "{answer}"
+    );
+    assert_eq!(engines.uris()[asked..], legs);
+
+    tokio::time::advance(Duration::from_secs(9)).await;
+    let asked = engines.seen().len();
+    let (status, answer) = served(&o, body).await;
+    assert_eq!(status, 400, "{answer}");
+    assert!(answer.contains(&too_large(7, 8, 2)), "{answer}");
+    assert_eq!(engines.uris()[asked..], [format!("{P}/tokenize")]);
+}
