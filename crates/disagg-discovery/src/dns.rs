@@ -47,10 +47,14 @@
 //! "No addresses" is the answer only when both families answered so; a family that
 //! fails beside one without records fails the lookup; a family that fails beside one
 //! with records keeps its own last good addresses (of that name, or that SRV target and
-//! port) beside the other's new ones, is logged and counted, and the name is asked
-//! again after `min_refresh`. An address both families give (an IPv4-mapped IPv6
-//! address, `::ffff:a.b.c.d`, is the IPv4 address it maps) is one engine: a name's
-//! engines are one per address and port.
+//! port) beside the other's new ones, is counted each time, logged as it starts (a
+//! warning) and ends, and the name is asked again with a failed lookup's backoff
+//! (within the answer's TTL), from `min_refresh` again once the family answers. The
+//! addresses kept for this are each origin's distinct ones, at most the ceiling per
+//! source in all for a name: an origin past it is not remembered (a family of it that
+//! fails keeps none), its answer still taken. An address both families give (an
+//! IPv4-mapped IPv6 address, `::ffff:a.b.c.d`, is the IPv4 address it maps) is one
+//! engine: a name's engines are one per address and port.
 //!
 //! The resolver is the system's (`/etc/resolv.conf` and `/etc/hosts`) unless
 //! [`DnsConfig::server`] (`--dns-server IP:PORT`) names one; then only that server is
@@ -64,14 +68,19 @@
 //! SERVFAIL, as with glibc's resolver (a search domain whose upstream server fails
 //! hides no name under the next), but it is remembered: without a name with records
 //! after it, the lookup failed (the name that failed may be the one that has the
-//! records). Any other failure (a timeout, a refusal) ends the walk as a failed
-//! lookup, as glibc's does. The search list is resolv.conf's last `search` or
-//! `domain` line (each replaces the other, as with glibc), and the system's domain
-//! only when it has neither. The fully qualified name that answered is then pinned:
-//! later refreshes ask it alone; not a name found past a SERVFAIL (the name that
-//! failed comes first and may be the one meant: each refresh walks the list again,
-//! until a name answers with none failing before it). Answers are not cached between
-//! refreshes: each refresh asks the server.
+//! records); with one, that name's answer is taken and the SERVFAIL counted as an error
+//! (a warning logged as the name passed over changes). Any other failure (a timeout, a
+//! refusal, a family timing out beside the other's SERVFAIL) ends the walk as a failed
+//! lookup: stricter than glibc's `res_search`, which goes on to the search list past
+//! such a failure of the name as written asked first, and past one in the search list
+//! still asks the name as written if it has not yet; here no answer is taken past a
+//! name whose answer is unknown. The search list is resolv.conf's last `search` or
+//! `domain` line (each replaces the other, as with glibc), and the system's domain only
+//! when it has neither. The fully qualified name that answered is then pinned: later
+//! refreshes ask it alone; not a name found past a SERVFAIL (the name that failed comes
+//! first and may be the one meant: each refresh walks the list again, until a name
+//! answers with none failing before it). Answers are not cached between refreshes: each
+//! refresh asks the server.
 
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
@@ -93,9 +102,11 @@ use tokio::time::Instant;
 use crate::source::{SpecPublisher, SpecSource};
 use crate::spec::{EndpointSpec, ModelsError, model_names};
 
+mod engines;
 mod outcome;
 mod search;
-use outcome::{Addresses, Failure, FamilyFailure, Origin, Origins, Resolved, sooner};
+use engines::Engines;
+use outcome::{Addresses, Failure, FamilyFailure, Origins, Resolved, sooner};
 use search::{first_answer, search_list};
 
 /// The default source name of DNS discovery (the `source` label of its metrics).
@@ -426,7 +437,8 @@ impl Dns {
     /// name, else its A and AAAA records, each family asked on its own. A family that
     /// fails (a timeout, SERVFAIL, a refusal) beside one with records is
     /// [`Addresses::failed`] (the caller keeps that family's last good addresses);
-    /// beside one without records, or with the other failing too, it fails the lookup.
+    /// beside one without records, or with the other failing too, it fails the lookup
+    /// (both failing: by the failure that is not a SERVFAIL, if either).
     /// Only both families answering cleanly without records (NXDOMAIN, or no records of
     /// the type) is a name without addresses, [`Failure::NoRecords`].
     async fn addresses(&self, name: &Name) -> Result<Addresses, Failure> {
@@ -455,7 +467,7 @@ impl Dns {
         let mut ips = Vec::new();
         let mut until: Option<Instant> = None;
         let mut negative_ttl = None;
-        let mut failed = None;
+        let mut failed: Option<(bool, Failure)> = None;
         for (v6, outcome) in [(false, a), (true, aaaa)] {
             match outcome {
                 Ok((found, valid)) => {
@@ -465,8 +477,11 @@ impl Dns {
                 Err(Failure::NoRecords { negative_ttl: ttl }) => {
                     negative_ttl = sooner(negative_ttl, ttl);
                 }
-                Err(e) => match failed {
-                    // Both families failed.
+                Err(e) => match failed.take() {
+                    // Both families failed: the failure that is not a SERVFAIL when one
+                    // is not (a timeout beside a SERVFAIL ends a search walk, as a
+                    // timeout does, where a SERVFAIL would move it on).
+                    Some((_, first)) if !first.is_server_failure() => return Err(first),
                     Some(_) => return Err(e),
                     None => failed = Some((v6, e)),
                 },
@@ -527,6 +542,14 @@ struct NameState {
     due: Instant,
     /// Failed lookups in a row.
     failures: u32,
+    /// Answers in a row with a family failing beside one that answered: the name is
+    /// asked again as after as many failed lookups (within the answer's TTL).
+    half_failures: u32,
+    /// The family that failed beside one that answered in the last answer (the name
+    /// asked, and whether it is IPv6), and the name last passed over for its SERVFAIL:
+    /// each is warned about as it starts or changes, counted each time.
+    family_failed: Option<(Name, bool)>,
+    passed_over: Option<Name>,
     /// Whether its lookup is under way.
     looking_up: bool,
 }
@@ -568,6 +591,9 @@ impl Refresher {
                 origins: Arc::default(),
                 due: Instant::now(),
                 failures: 0,
+                half_failures: 0,
+                family_failed: None,
+                passed_over: None,
                 looking_up: false,
             })
             .collect();
@@ -657,25 +683,68 @@ impl Refresher {
                 specs,
                 ttl,
                 pin,
+                passed_over,
                 failed,
                 origins,
             }) => {
                 let mut due = Instant::now() + bound(ttl);
                 // One family failed beside one that answered: that family's last good
                 // engines stayed (they are among `specs`), and the name is asked again
-                // as after a failure.
+                // as after a failed lookup, with a backoff.
                 if let Some(FamilyFailure { name, v6, error }) = failed {
                     self.publisher.record_error();
-                    let retry = bound(config.min_refresh);
-                    tracing::warn!(
-                        name = %state.target.name,
-                        asked = %name,
-                        family = if v6 { "AAAA" } else { "A" },
-                        error = %error,
-                        retry_in = ?retry,
-                        "DNS lookup of one address family failed; keeping its last good engines"
-                    );
+                    state.half_failures = state.half_failures.saturating_add(1);
+                    let retry = bound(backoff(config.min_refresh, state.half_failures));
+                    let family = if v6 { "AAAA" } else { "A" };
+                    // Warned as it starts or changes, counted each time.
+                    let failing = (name, v6);
+                    let (target, asked) = (&state.target.name, &failing.0);
+                    if state.family_failed.as_ref() == Some(&failing) {
+                        tracing::debug!(
+                            name = %target,
+                            asked = %asked,
+                            family,
+                            error = %error,
+                            retry_in = ?retry,
+                            "DNS lookup of one address family failed again"
+                        );
+                    } else {
+                        tracing::warn!(
+                            name = %target,
+                            asked = %asked,
+                            family,
+                            error = %error,
+                            retry_in = ?retry,
+                            "DNS lookup of one address family failed; keeping its last good engines"
+                        );
+                    }
+                    state.family_failed = Some(failing);
                     due = due.min(Instant::now() + retry);
+                } else {
+                    state.half_failures = 0;
+                    if let Some((asked, v6)) = state.family_failed.take() {
+                        tracing::info!(
+                            name = %state.target.name,
+                            asked = %asked,
+                            family = if v6 { "AAAA" } else { "A" },
+                            "DNS lookup of the address family that failed answers again"
+                        );
+                    }
+                }
+                // Found past a SERVFAIL on an earlier name of the search list.
+                if let Some((name, error)) = passed_over {
+                    self.publisher.record_error();
+                    if state.passed_over.as_ref() != Some(&name) {
+                        tracing::warn!(
+                            name = %state.target.name,
+                            failed = %name,
+                            error = %error,
+                            "DNS server failure on a search-list name; took a later name's answer"
+                        );
+                    }
+                    state.passed_over = Some(name);
+                } else {
+                    state.passed_over = None;
                 }
                 state.last = Some(specs);
                 state.origins = Arc::new(origins);
@@ -690,6 +759,9 @@ impl Refresher {
                 // again (the Service may come back under another of its names).
                 state.pinned = None;
                 state.failures = 0;
+                state.half_failures = 0;
+                state.family_failed = None;
+                state.passed_over = None;
                 let wait =
                     negative_ttl.map_or(config.max_refresh, |t| Duration::from_secs(t.into()));
                 state.due = Instant::now() + bound(wait);
@@ -698,9 +770,7 @@ impl Refresher {
             Err(failed) => {
                 self.publisher.record_error();
                 state.failures = state.failures.saturating_add(1);
-                // 1, 2, 4 ... times min_refresh, up to max_refresh.
-                let factor = 1u32 << state.failures.saturating_sub(1).min(16);
-                let wait = config.min_refresh.saturating_mul(factor);
+                let wait = backoff(config.min_refresh, state.failures);
                 tracing::warn!(
                     name = %state.target.name,
                     error = %failed,
@@ -734,6 +804,12 @@ impl Refresher {
     }
 }
 
+/// The wait after `n` failures in a row (from 1): 1, 2, 4 ... times `min_refresh`
+/// (bounded by `max_refresh` where it is used).
+fn backoff(min_refresh: Duration, n: u32) -> Duration {
+    min_refresh.saturating_mul(1u32 << n.saturating_sub(1).min(16))
+}
+
 /// One engine once, when two names (or an SRV name's targets) give the same address.
 fn dedup(mut specs: Vec<EndpointSpec>) -> Vec<EndpointSpec> {
     let mut seen = std::collections::HashSet::new();
@@ -765,6 +841,7 @@ async fn resolve(
                     specs: vec![spec(target, ip, *port)],
                     ttl: Duration::MAX,
                     pin: None,
+                    passed_over: None,
                     failed: None,
                     origins: Origins::new(),
                 });
@@ -773,7 +850,7 @@ async fn resolve(
                 first_answer(names(name)?, |n| async move { dns.addresses(&n).await }).await?;
             let until = walked.found.until;
             engines.add((walked.name.clone(), *port), walked.found, None)?;
-            Ok(engines.resolved(until, walked.pin.then_some(walked.name)))
+            Ok(engines.resolved(until, walked.name, walked.passed_over))
         }
         DnsName::Srv(name) => {
             let walked = first_answer(names(name)?, |n| async move {
@@ -844,87 +921,7 @@ async fn resolve(
                 valid_until = valid_until.min(found.until);
                 engines.add((host, port), found, Some(srv_weight(weight)))?;
             }
-            Ok(engines.resolved(valid_until, walked.pin.then_some(walked.name)))
-        }
-    }
-}
-
-/// A name's engines, made as its answers come: each address once per port (an
-/// IPv4-mapped IPv6 address as the IPv4 address it is, so that an address both
-/// families answer is one engine), at most `max` of them.
-struct Engines<'a> {
-    target: &'a DnsTarget,
-    last: &'a Origins,
-    max: usize,
-    specs: Vec<EndpointSpec>,
-    seen: std::collections::HashSet<(IpAddr, u16)>,
-    failed: Option<FamilyFailure>,
-    origins: Origins,
-}
-
-impl<'a> Engines<'a> {
-    fn new(target: &'a DnsTarget, last: &'a Origins, max: usize) -> Self {
-        Engines {
-            target,
-            last,
-            max,
-            specs: Vec::new(),
-            seen: std::collections::HashSet::new(),
-            failed: None,
-            origins: Origins::new(),
-        }
-    }
-
-    /// Adds the engines of `origin`'s addresses `found` (at its port, weighing
-    /// `weight`) and, when a family failed beside them, that family's addresses from
-    /// `origin`'s last good answer. More engines than `max` is [`Failure::TooMany`].
-    fn add(
-        &mut self,
-        origin: Origin,
-        found: Addresses,
-        weight: Option<f64>,
-    ) -> Result<(), Failure> {
-        let mut ips = found.ips;
-        if let Some((v6, error)) = found.failed {
-            let kept = self.last.get(&origin).into_iter().flatten();
-            ips.extend(kept.filter(|ip| ip.is_ipv6() == v6));
-            self.failed.get_or_insert(FamilyFailure {
-                name: origin.0.clone(),
-                v6,
-                error,
-            });
-        }
-        let port = origin.1;
-        let new: Vec<IpAddr> = ips
-            .iter()
-            .map(|ip| ip.to_canonical())
-            .filter(|ip| self.seen.insert((*ip, port)))
-            .collect();
-        let found = self.specs.len() + new.len();
-        if found > self.max {
-            return Err(Failure::TooMany {
-                found,
-                max: self.max,
-            });
-        }
-        self.specs.extend(new.into_iter().map(|ip| {
-            let mut s = spec(self.target, ip, port);
-            s.weight = weight;
-            s
-        }));
-        self.origins.insert(origin, ips);
-        Ok(())
-    }
-
-    /// The resolution: these engines, valid until `until`, `pin` the name to ask from
-    /// now on.
-    fn resolved(self, until: Instant, pin: Option<Name>) -> Resolved {
-        Resolved {
-            specs: self.specs,
-            ttl: until.saturating_duration_since(Instant::now()),
-            pin,
-            failed: self.failed,
-            origins: self.origins,
+            Ok(engines.resolved(valid_until, walked.name, walked.passed_over))
         }
     }
 }
@@ -991,6 +988,10 @@ mod tests {
         ADropsAaaa(Ipv4Addr),
         /// SERVFAIL, for every type.
         ServFail,
+        /// No answer to A queries (a timeout), SERVFAIL to AAAA queries.
+        ASilentAaaaServFail,
+        /// An A record with a TTL of 60 s, and SERVFAIL to AAAA queries.
+        AServFailsAaaa(Ipv4Addr),
     }
 
     /// A DNS server on a loopback UDP port: each name of `zone` answered as it says,
@@ -1029,23 +1030,30 @@ mod tests {
                         answer.metadata.recursion_desired = query.metadata.recursion_desired;
                         answer.metadata.recursion_available = true;
                         answer.add_query(q.clone());
+                        let (a, aaaa) = (
+                            q.query_type() == RecordType::A,
+                            q.query_type() == RecordType::AAAA,
+                        );
+                        let record =
+                            |ip, ttl| Record::from_rdata(q.name().clone(), ttl, RData::A(A(ip)));
                         match reply {
                             Some(Reply::Silent) => continue,
-                            Some(Reply::ADropsAaaa(_)) if q.query_type() == RecordType::AAAA => {
-                                continue;
-                            }
-                            Some(Reply::A(ip) | Reply::ADropsAaaa(ip)) => {
-                                if q.query_type() == RecordType::A {
-                                    answer.add_answer(Record::from_rdata(
-                                        q.name().clone(),
-                                        0,
-                                        RData::A(A(ip)),
-                                    ));
-                                }
-                            }
+                            Some(Reply::ADropsAaaa(_)) if aaaa => continue,
+                            Some(Reply::ASilentAaaaServFail) if a => continue,
                             Some(Reply::ServFail) => {
                                 answer.metadata.response_code = ResponseCode::ServFail;
                             }
+                            Some(Reply::ASilentAaaaServFail | Reply::AServFailsAaaa(_)) if aaaa => {
+                                answer.metadata.response_code = ResponseCode::ServFail;
+                            }
+                            Some(Reply::A(ip) | Reply::ADropsAaaa(ip)) if a => {
+                                answer.add_answer(record(ip, 0));
+                            }
+                            Some(Reply::AServFailsAaaa(ip)) if a => {
+                                answer.add_answer(record(ip, 60));
+                            }
+                            // No records of the type.
+                            Some(_) => {}
                             None => answer.metadata.response_code = ResponseCode::NXDomain,
                         }
                         if let Ok(bytes) = answer.to_vec() {
@@ -1091,11 +1099,26 @@ mod tests {
             Role::Decode,
         )]);
         config.server = Some(server);
-        config.timeout = Duration::from_millis(300);
+        // Only a family left unanswered waits it out: long enough that no answer of the
+        // test server (on the test's own runtime, on a loaded machine) comes after it.
+        config.timeout = Duration::from_secs(2);
         let mut dns = resolver(&config).unwrap();
         dns.search = search.iter().map(|d| Name::from_utf8(d).unwrap()).collect();
         dns.ndots = ndots;
         (dns, config)
+    }
+
+    /// Refreshes the refresher's first name now, and takes its outcome.
+    async fn refresh(r: &mut Refresher) {
+        r.names[0].due = Instant::now();
+        r.start_due();
+        let (i, outcome) = r.lookups.next().await.unwrap();
+        r.settle(i, outcome);
+    }
+
+    /// A name's engines' URLs.
+    fn urls(s: &NameState) -> Vec<String> {
+        s.last.iter().flatten().map(|e| e.url.clone()).collect()
     }
 
     #[tokio::test]
@@ -1178,22 +1201,18 @@ mod tests {
         .await;
         // Two dots, fewer than ndots: the search list first, the name as written last.
         let (dns, config) = dns_at(server.addr, &["broken.test.", "search.test."], 5);
-        let (publisher, _source) = SpecSource::channel("dns");
+        let (publisher, source) = SpecSource::channel("dns");
         let mut refresher = Refresher::new(dns, config, publisher);
-        let refresh = async |r: &mut Refresher| {
-            r.names[0].due = Instant::now();
-            r.start_due();
-            let (i, outcome) = r.lookups.next().await.unwrap();
-            r.settle(i, outcome);
-        };
-        let urls = |s: &NameState| -> Vec<String> {
-            s.last.iter().flatten().map(|e| e.url.clone()).collect()
-        };
         refresh(&mut refresher).await;
         let state = &refresher.names[0];
         assert_eq!(urls(state), ["http://127.0.0.8:8200"]);
         assert_eq!(state.failures, 0);
         assert_eq!(state.pinned, None, "found past a failure: not pinned");
+        assert_eq!(
+            source.stats().errors(),
+            1,
+            "the SERVFAIL passed over counted"
+        );
         let mut asked = server.asked();
         asked.dedup();
         assert_eq!(
@@ -1210,6 +1229,7 @@ mod tests {
         let state = &refresher.names[0];
         assert_eq!(state.failures, 1, "a failed lookup");
         assert_eq!(urls(state), ["http://127.0.0.8:8200"], "the engines kept");
+        assert_eq!(source.stats().errors(), 2);
         // The failing name answers: it is taken, and pinned.
         server.set(
             "d.hole.test.broken.test.",
@@ -1218,9 +1238,46 @@ mod tests {
         refresh(&mut refresher).await;
         let state = &refresher.names[0];
         assert_eq!(urls(state), ["http://127.0.0.9:8200"]);
+        assert_eq!(source.stats().errors(), 2, "nothing failed");
         assert_eq!(
             state.pinned.as_ref().map(Name::to_utf8).as_deref(),
             Some("d.hole.test.broken.test.")
+        );
+    }
+
+    /// A name whose A lookup times out while its AAAA lookup SERVFAILs failed by the
+    /// timeout, not by the SERVFAIL: the walk ends there, as at any timeout (the
+    /// search-list name after it, which has records, is not asked), and the name's
+    /// last good engines are kept.
+    #[tokio::test]
+    async fn a_timeout_beside_a_server_failure_ends_the_walk() {
+        let server = TestServer::start(&[
+            ("d.hole.test.", Reply::ASilentAaaaServFail),
+            (
+                "d.hole.test.search.test.",
+                Reply::A(Ipv4Addr::new(127, 0, 0, 10)),
+            ),
+        ])
+        .await;
+        // Enough dots: the name as written first, then under the search domain.
+        let (dns, config) = dns_at(server.addr, &["search.test."], 1);
+        let (publisher, source) = SpecSource::channel("dns");
+        let mut refresher = Refresher::new(dns, config, publisher);
+        let kept = spec(
+            &refresher.names[0].target,
+            Ipv4Addr::new(127, 0, 0, 4).into(),
+            8200,
+        );
+        refresher.names[0].last = Some(vec![kept]);
+        refresh(&mut refresher).await;
+        let state = &refresher.names[0];
+        assert_eq!(urls(state), ["http://127.0.0.4:8200"], "the engines kept");
+        assert_eq!(state.failures, 1, "a failed lookup");
+        assert_eq!(source.stats().errors(), 1);
+        let asked = server.asked();
+        assert!(
+            asked.iter().all(|n| n == "d.hole.test."),
+            "the walk ended at the timeout: {asked:?}"
         );
     }
 
@@ -1275,17 +1332,8 @@ mod tests {
         let (dns, config) = dns_at(server.addr, &["search.test."], 1);
         let (publisher, _source) = SpecSource::channel("dns");
         let mut refresher = Refresher::new(dns, config, publisher);
-        let refresh = async |r: &mut Refresher| {
-            r.names[0].due = Instant::now();
-            r.start_due();
-            let (i, outcome) = r.lookups.next().await.unwrap();
-            r.settle(i, outcome);
-        };
         refresh(&mut refresher).await;
         let state = &refresher.names[0];
-        let urls = |s: &NameState| -> Vec<String> {
-            s.last.iter().flatten().map(|e| e.url.clone()).collect()
-        };
         assert_eq!(urls(state), ["http://127.0.0.5:8200"]);
         assert_eq!(
             state.pinned.as_ref().map(Name::to_utf8).as_deref(),
@@ -1366,6 +1414,83 @@ mod tests {
             .map(|e| e.url.as_str())
             .collect();
         assert_eq!(urls, ["http://127.0.0.7:8200", "http://[fd00::1]:8200"]);
+    }
+
+    /// A family failing beside one that answers is asked again with a backoff, as a
+    /// failed lookup is: after `min_refresh`, then twice and four times as long (within
+    /// the records' TTL, 60 s here), each time an error counted; once the family
+    /// answers, the backoff starts over.
+    #[tokio::test]
+    async fn a_family_failing_beside_one_that_answers_backs_off() {
+        let ip = Ipv4Addr::new(127, 0, 0, 11);
+        let server = TestServer::start(&[("d.hole.test.", Reply::AServFailsAaaa(ip))]).await;
+        let (dns, config) = dns_at(server.addr, &[], 1);
+        let min = config.min_refresh;
+        let (publisher, source) = SpecSource::channel("dns");
+        let mut refresher = Refresher::new(dns, config, publisher);
+        // The name is asked again `wait` after its outcome was taken.
+        let asked_again_in = async |r: &mut Refresher, wait: Duration| {
+            let before = Instant::now();
+            refresh(r).await;
+            let due = r.names[0].due;
+            assert!(
+                due >= before + wait && due <= Instant::now() + wait,
+                "due in {:?}, not {wait:?}",
+                due.saturating_duration_since(before)
+            );
+        };
+        let asked = Name::from_utf8("d.hole.test.").unwrap();
+        for (n, factor) in [1, 2, 4].into_iter().enumerate() {
+            asked_again_in(&mut refresher, min * factor).await;
+            let state = &refresher.names[0];
+            assert_eq!(urls(state), ["http://127.0.0.11:8200"]);
+            assert_eq!(source.stats().errors(), n as u64 + 1, "each counted");
+            // What the warning is given for once, not at each failure.
+            assert_eq!(state.family_failed, Some((asked.clone(), true)));
+        }
+        // AAAA answers (without records): no failure, and the backoff starts over.
+        server.set("d.hole.test.", Reply::A(ip));
+        refresh(&mut refresher).await;
+        assert_eq!(source.stats().errors(), 3);
+        assert_eq!(refresher.names[0].family_failed, None);
+        server.set("d.hole.test.", Reply::AServFailsAaaa(ip));
+        asked_again_in(&mut refresher, min).await;
+        assert_eq!(source.stats().errors(), 4);
+    }
+
+    /// The addresses remembered for a family that fails later are each origin's
+    /// distinct ones, at most the engine ceiling in all: 256 SRV targets answering the
+    /// same 100 addresses ten times over are 100 engines, within the ceiling, but would
+    /// be 256,000 addresses remembered. The origins past the ceiling are not remembered
+    /// (a family of theirs that fails keeps nothing).
+    #[test]
+    fn remembered_addresses_are_distinct_and_within_the_ceiling() {
+        let target = DnsTarget::new(DnsName::Srv("_h._tcp.hole.test".into()), Role::Decode);
+        let last = Origins::new();
+        let max = 1000;
+        let mut engines = Engines::new(&target, &last, max);
+        let ips: Vec<IpAddr> = (0..100)
+            .map(|i| Ipv4Addr::new(127, 0, 1, i).into())
+            .collect();
+        let host = |t: usize| Name::from_utf8(format!("t{t}.hole.test.")).unwrap();
+        for t in 0..MAX_SRV_TARGETS {
+            let found = Addresses {
+                ips: ips.repeat(10),
+                until: Instant::now(),
+                failed: None,
+            };
+            engines.add((host(t), 8200), found, Some(1.0)).unwrap();
+        }
+        let resolved = engines.resolved(Instant::now(), host(0), None);
+        assert_eq!(resolved.specs.len(), 100, "one engine per address");
+        for (origin, remembered) in &resolved.origins {
+            let distinct: std::collections::HashSet<_> = remembered.iter().collect();
+            assert_eq!(distinct.len(), remembered.len(), "{origin:?}: repeats");
+        }
+        let total: usize = resolved.origins.values().map(Vec::len).sum();
+        assert_eq!(total, max, "remembered in all");
+        assert!(resolved.origins.contains_key(&(host(0), 8200)));
+        assert!(!resolved.origins.contains_key(&(host(10), 8200)));
     }
 
     #[test]

@@ -21,6 +21,9 @@ pub(super) struct Resolved {
     /// search list (the name that failed may be the one meant: the list is walked again
     /// at the next refresh).
     pub(super) pin: Option<Name>,
+    /// The first name of the search list passed over for its SERVFAIL, and the
+    /// failure, when the answer was found past one.
+    pub(super) passed_over: Option<(Name, Failure)>,
     /// The first address family that failed beside one that answered with records:
     /// that family's last good addresses are among `specs`.
     pub(super) failed: Option<FamilyFailure>,
@@ -71,7 +74,7 @@ pub(super) enum Failure {
 impl Failure {
     /// Whether this is a server's SERVFAIL: a walk through the search list moves on to
     /// the next name past it (as glibc's resolver does), where any other failure (a
-    /// timeout, a refusal) ends it.
+    /// timeout, a refusal) ends it ([`first_answer`](super::search::first_answer)).
     pub(super) fn is_server_failure(&self) -> bool {
         match self {
             Failure::Lookup(NetError::Dns(DnsError::ResponseCode(code))) => {

@@ -51,23 +51,27 @@ impl Dns {
 }
 
 /// What a walk through the names a name may stand for found: the first answer with
-/// records, the name that gave it, and whether that name may be pinned (no name before
-/// it failed).
+/// records, the name that gave it, and the first name passed over for its SERVFAIL
+/// (with the failure), if any: an answer found past one is not to be pinned, and the
+/// failure is counted.
 pub(super) struct Walked<T> {
     pub(super) found: T,
     pub(super) name: Name,
-    pub(super) pin: bool,
+    pub(super) passed_over: Option<(Name, Failure)>,
 }
 
-/// Asks `ask` about each of `names` in turn, as glibc's resolver walks its search
-/// list: the first to answer with records gives the answer. One answering cleanly
-/// without records passes on to the next; so does a SERVFAIL, remembered (a search
-/// domain whose upstream server fails hides no name under the next one); any other
-/// failure (a timeout, a refusal) fails the lookup there. No name with records is the
-/// first SERVFAIL passed over when there was one (the name that failed may be the one
-/// that has the records: a failed lookup, not a name without engines), else
-/// [`Failure::NoRecords`] with the shortest negative TTL given. An answer found past a
-/// SERVFAIL is not to be pinned ([`Walked::pin`]).
+/// Asks `ask` about each of `names` in turn: the first to answer with records gives
+/// the answer. One answering cleanly without records passes on to the next; so does a
+/// SERVFAIL, as with glibc's resolver, remembered (a search domain whose upstream
+/// server fails hides no name under the next one). Any other failure (a timeout, a
+/// refusal) fails the lookup there: stricter than glibc's `res_search`, which goes on
+/// to the search list past such a failure of the name asked as written first, and
+/// past one in the search list still asks the name as written when it has not yet:
+/// here no answer is taken past a name whose answer is unknown (it may be the one
+/// meant). No name with records is the first SERVFAIL passed over when there was one
+/// (the name that failed may be the one that has the records: a failed lookup, not a
+/// name without engines), else [`Failure::NoRecords`] with the shortest negative TTL
+/// given.
 pub(super) async fn first_answer<T, F, Fut>(
     names: Vec<Name>,
     mut ask: F,
@@ -84,7 +88,7 @@ where
                 return Ok(Walked {
                     found,
                     name,
-                    pin: server_failure.is_none(),
+                    passed_over: server_failure,
                 });
             }
             Err(Failure::NoRecords { negative_ttl: ttl }) => {
@@ -96,10 +100,10 @@ where
                     error = %failed,
                     "DNS server failure on a search-list name; asking the next"
                 );
-                server_failure.get_or_insert(failed);
+                server_failure.get_or_insert((name, failed));
             }
             Err(failed) => return Err(failed),
         }
     }
-    Err(server_failure.unwrap_or(Failure::NoRecords { negative_ttl }))
+    Err(server_failure.map_or(Failure::NoRecords { negative_ttl }, |(_, failed)| failed))
 }

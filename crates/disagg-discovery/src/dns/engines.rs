@@ -1,0 +1,131 @@
+//! A name's engines, made from its answers as they come, and the addresses remembered
+//! of each origin for a family of it that fails at a later lookup.
+
+use std::collections::HashSet;
+use std::net::IpAddr;
+
+use hickory_resolver::proto::rr::Name;
+use tokio::time::Instant;
+
+use super::outcome::{Addresses, Failure, FamilyFailure, Origin, Origins, Resolved};
+use super::{DnsTarget, spec};
+use crate::spec::EndpointSpec;
+
+/// A name's engines, made as its answers come: each address once per port (an
+/// IPv4-mapped IPv6 address as the IPv4 address it is, so that an address both
+/// families answer is one engine), at most `max` of them.
+///
+/// The addresses each origin gave are remembered (for a family of it that fails at the
+/// next lookup) once each, and at most `max` of them in all: an origin whose addresses
+/// would take the name's total past `max` is not remembered, and a family of it that
+/// fails at the next lookup keeps none. Origins sharing addresses (SRV targets
+/// answering the same ones) are few engines but many addresses remembered, once per
+/// origin: 256 targets answering the same 4,096 addresses would be a million.
+/// Forgotten rather than refused ([`Failure::TooMany`]): the answer itself is within
+/// the ceiling, and what such an answer loses is only the fallback for a failure to
+/// come.
+pub(super) struct Engines<'a> {
+    target: &'a DnsTarget,
+    last: &'a Origins,
+    max: usize,
+    specs: Vec<EndpointSpec>,
+    seen: HashSet<(IpAddr, u16)>,
+    failed: Option<FamilyFailure>,
+    origins: Origins,
+    /// The addresses remembered in `origins`, all origins together.
+    remembered: usize,
+    /// The origins not remembered, for being past `max`.
+    forgotten: usize,
+}
+
+impl<'a> Engines<'a> {
+    pub(super) fn new(target: &'a DnsTarget, last: &'a Origins, max: usize) -> Self {
+        Engines {
+            target,
+            last,
+            max,
+            specs: Vec::new(),
+            seen: HashSet::new(),
+            failed: None,
+            origins: Origins::new(),
+            remembered: 0,
+            forgotten: 0,
+        }
+    }
+
+    /// Adds the engines of `origin`'s addresses `found` (at its port, weighing
+    /// `weight`) and, when a family failed beside them, that family's addresses from
+    /// `origin`'s last good answer. More engines than `max` is [`Failure::TooMany`].
+    pub(super) fn add(
+        &mut self,
+        origin: Origin,
+        found: Addresses,
+        weight: Option<f64>,
+    ) -> Result<(), Failure> {
+        let mut ips = found.ips;
+        if let Some((v6, error)) = found.failed {
+            let kept = self.last.get(&origin).into_iter().flatten();
+            ips.extend(kept.filter(|ip| ip.is_ipv6() == v6));
+            self.failed.get_or_insert(FamilyFailure {
+                name: origin.0.clone(),
+                v6,
+                error,
+            });
+        }
+        // Each address once, as its record had it (so its family is known).
+        let mut distinct = HashSet::with_capacity(ips.len());
+        ips.retain(|ip| distinct.insert(*ip));
+        let port = origin.1;
+        let new: Vec<IpAddr> = ips
+            .iter()
+            .map(|ip| ip.to_canonical())
+            .filter(|ip| self.seen.insert((*ip, port)))
+            .collect();
+        let found = self.specs.len() + new.len();
+        if found > self.max {
+            return Err(Failure::TooMany {
+                found,
+                max: self.max,
+            });
+        }
+        self.specs.extend(new.into_iter().map(|ip| {
+            let mut s = spec(self.target, ip, port);
+            s.weight = weight;
+            s
+        }));
+        match self.remembered.checked_add(ips.len()) {
+            Some(total) if total <= self.max => {
+                self.remembered = total;
+                self.origins.insert(origin, ips);
+            }
+            _ => self.forgotten += 1,
+        }
+        Ok(())
+    }
+
+    /// The resolution: these engines, valid until `until`, found under `name`; pinned
+    /// to it unless found past a SERVFAIL on an earlier name (`passed_over`).
+    pub(super) fn resolved(
+        self,
+        until: Instant,
+        name: Name,
+        passed_over: Option<(Name, Failure)>,
+    ) -> Resolved {
+        if self.forgotten > 0 {
+            tracing::debug!(
+                name = %self.target.name,
+                origins = self.forgotten,
+                remembered = self.remembered,
+                "addresses past the ceiling not remembered for a family that fails later"
+            );
+        }
+        Resolved {
+            specs: self.specs,
+            ttl: until.saturating_duration_since(Instant::now()),
+            pin: passed_over.is_none().then_some(name),
+            passed_over,
+            failed: self.failed,
+            origins: self.origins,
+        }
+    }
+}
