@@ -167,7 +167,7 @@ pub(crate) struct SseBody {
     stall_after: Option<usize>,
     /// The decode's own `kv_transfer_params` for the terminal chunks (JSON).
     handoff: Option<String>,
-    /// Chat with `return_token_ids`: the prompt's ids (JSON) for the first chunk.
+    /// Chat with `return_token_ids`: the prompt's ids (JSON) for each role chunk.
     prompt_token_ids: Option<String>,
     /// `return_token_ids`: each token chunk carries its choice's new ids.
     return_token_ids: bool,
@@ -202,8 +202,8 @@ pub(crate) struct SseSpec {
     /// The decode's own `kv_transfer_params` (JSON) for each choice's terminal chunk
     /// ([`SimConfig::decode_handoff`](crate::SimConfig::decode_handoff)); `None`: `null`.
     pub(crate) handoff: Option<String>,
-    /// Chat with `return_token_ids`: the prompt's ids (JSON), on the first chunk as
-    /// vLLM writes them; `None`: `null`.
+    /// Chat with `return_token_ids`: the prompt's ids (JSON), on each choice's role
+    /// chunk as vLLM writes them; `None`: `null`.
     pub(crate) prompt_token_ids: Option<String>,
     /// `return_token_ids`: each token chunk carries its choice's new ids (vLLM 0.33).
     pub(crate) return_token_ids: bool,
@@ -316,12 +316,9 @@ impl SseBody {
         match phase {
             Phase::Role(i) => {
                 s.push_str(&self.prefix);
-                // vLLM sets `prompt_token_ids` and `prompt_text` on the first chunk
-                // (null unless asked for) and dumps with `exclude_unset`.
-                let ids = match &self.prompt_token_ids {
-                    Some(ids) if i == 0 => ids.as_str(),
-                    _ => "null",
-                };
+                // vLLM sets `prompt_token_ids` and `prompt_text` on each choice's role
+                // chunk (null unless asked for) and dumps with `exclude_unset`.
+                let ids = self.prompt_token_ids.as_deref().unwrap_or("null");
                 let _ = write!(
                     s,
                     "{{\"index\":{i},\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}]"

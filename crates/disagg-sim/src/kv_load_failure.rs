@@ -12,8 +12,8 @@
 //!
 //! * **Chat** (`vllm/entrypoints/openai/chat_completion/serving.py`
 //!   `chat_completion_stream_generator`): the first output writes every choice's role
-//!   chunk (the prompt's ids on the first with `return_token_ids`, `usage` on each
-//!   with continuous usage), then raises: one error event in the error shape, no token
+//!   chunk (each with the prompt's ids given `return_token_ids`, `usage` on each with
+//!   continuous usage), then raises: one error event in the error shape, no token
 //!   chunk, no usage chunk, then `data: [DONE]`.
 //! * **Completions** (`vllm/entrypoints/openai/completion/serving.py`
 //!   `completion_stream_generator`): an output with no text and no token is skipped
@@ -21,10 +21,32 @@
 //!   normally with no chunk of the answer: only the usage chunk (prompt tokens, no
 //!   completion token) when usage was asked for, then `data: [DONE]`. With `echo`
 //!   the echoed prompt is text to send, the check is reached, and the stream is the
-//!   error event, then `data: [DONE]`.
+//!   error event, then `data: [DONE]`. Given `"max_tokens": null`, the generator's
+//!   `assert request.max_tokens is not None`, which comes before both, fails first:
+//!   the stream is that error event ([`crate::null_limit`]), then `data: [DONE]`, no
+//!   usage chunk, echo or not.
 //!
-//! The error's message is the simulator's (`"KV transfer failed: ..."`, saying why);
-//! vLLM's says `"Internal server error"`.
+//! The same holds whatever connector failed the load: NIXL (pull or push), Mooncake,
+//! and LMCache, whose vLLM connector forwards its engine's
+//! `get_block_ids_with_load_errors` (KV received on some ranks only is such a load
+//! error here). The error's message is the simulator's (`"KV transfer failed: ..."` or
+//! LMCache's `"KV cache for this request has not arrived (...)"`, saying why); vLLM's
+//! says `"Internal server error"`.
+//!
+//! Not modelled:
+//!
+//! * the head's timing: vLLM sends the 200 head as soon as the stream generator is
+//!   returned, before the load is even tried; the simulator writes it only once the
+//!   fetch failed (after [`crate::SimConfig::bootstrap_timeout`], for a peer that never
+//!   answers). A proxy's timeout for the decode's head fires on the simulator where,
+//!   against vLLM, the head would have come and the failure followed in the stream;
+//! * chat's `echo`: vLLM writes, after the role chunks, one chunk per choice echoing
+//!   the last message's content when that message's role is the answer's (an
+//!   assistant prefix); the simulator writes none, here as on a served stream;
+//! * completions' `echo` with `logprobs`: vLLM builds logprobs for the echoed prompt
+//!   of the failed output before its finish reason is read (and fails its own way
+//!   when the prompt's logprobs are missing); the simulator streams the load's error
+//!   event as for `echo` alone.
 
 use http::Response;
 use http::header::{CONTENT_TYPE, HeaderValue};
@@ -50,13 +72,30 @@ pub(crate) struct StreamIds<'a> {
 
 /// Whether a request whose KV load failed is answered with a stream
 /// ([`stream`]): a streamed chat or completions request to a vLLM engine.
-pub(crate) fn streamed(mode: KvMode, request: &CompletionRequest) -> bool {
+fn streamed(mode: KvMode, request: &CompletionRequest) -> bool {
     mode.is_vllm() && request.stream && request.gen_api.is_none() && request.native.is_none()
+}
+
+/// The answer to a request whose KV load failed with `error`: the stream of [`stream`]
+/// where vLLM streams the failure ([`streamed`]), else the error itself (answered
+/// before any head).
+pub(crate) fn answer(
+    mode: KvMode,
+    request: &CompletionRequest,
+    error: ApiError,
+    ids: StreamIds<'_>,
+    guard: RequestGuard,
+) -> Result<Response<SimBody>, (ApiError, RequestGuard)> {
+    if streamed(mode, request) {
+        Ok(stream(request, &error, ids, guard))
+    } else {
+        Err((error, guard))
+    }
 }
 
 /// The streamed answer of a vLLM chat or completions request whose KV load failed with
 /// `error`: a 200 head, then what the module's documentation says.
-pub(crate) fn stream(
+fn stream(
     request: &CompletionRequest,
     error: &ApiError,
     ids: StreamIds<'_>,
@@ -69,8 +108,15 @@ pub(crate) fn stream(
     } else {
         Vec::new()
     };
-    let error_event = chat || request.echo;
-    let event = error_event.then(|| String::from_utf8_lossy(&error.body()).into_owned());
+    // The null-limit assertion fails on the output before anything else reads it.
+    let null_limit = !chat && request.null_max_tokens;
+    let error_event = chat || request.echo || null_limit;
+    let event = if null_limit {
+        Some(crate::null_limit::error().body())
+    } else {
+        error_event.then(|| error.body())
+    }
+    .map(|body| String::from_utf8_lossy(&body).into_owned());
     let usage = (!error_event && request.include_usage).then_some((request.prompt_tokens, 0));
     let prompt_token_ids = (chat && request.return_token_ids)
         .then(|| Value::from(request.prompts.first().cloned().unwrap_or_default()).to_string());

@@ -29,8 +29,9 @@
 //! prompt followed by the ids generated for it goes on with exactly the tokens the
 //! unbroken answer had next, which is what a proxy's mid-stream migration needs to be
 //! checked against. With `return_token_ids: true` a stream carries each chunk's new id
-//! in its choice's `token_ids` (the EOS id too), and the prompt's ids on the first chunk
-//! (chat: top-level `prompt_token_ids`; completions: the choice's), as vLLM 0.33 writes
+//! in its choice's `token_ids` (the EOS id too), and the prompt's ids on each choice's
+//! first chunk (chat: top-level `prompt_token_ids` on every role chunk; completions: the
+//! choice's), as vLLM 0.33 writes
 //! them (`vllm/entrypoints/openai/chat_completion/serving.py`,
 //! `vllm/entrypoints/openai/completion/serving.py`).
 //!
@@ -269,11 +270,19 @@
 //! `data: {"error": {...}}` event and `data: [DONE]`, and a completions answer has
 //! no chunk of the answer at all (vLLM's generator skips an output without text
 //! before it reads its finish reason): only its usage chunk, if asked for, then
-//! `data: [DONE]` (with `echo`, the error event then `data: [DONE]`). vLLM's
+//! `data: [DONE]` (with `echo`, the error event then `data: [DONE]`; with
+//! `"max_tokens": null`, whose assertion vLLM's generator makes first, that error's
+//! event then `data: [DONE]`, no usage chunk). vLLM's
 //! message is `"Internal server error"`; the simulator's says why. An SGLang decode,
 //! and a decode on another of vLLM's generation routes (`/v1/responses`,
 //! `/v1/messages`, ...: their streams' failure is not modelled), answer the 500
-//! before any response head.
+//! before any response head. Not modelled either: vLLM sends a stream's 200 head at
+//! once, before the load is tried, where the simulator writes it only once the fetch
+//! failed (a proxy's timeout for the decode's head can fire on the simulator where
+//! vLLM's head would have come, the failure following in the stream); the chunks
+//! vLLM writes after the role chunks for a chat's `echo`; and what completions' `echo`
+//! with `logprobs` makes of the failed output (the simulator sends the error event as
+//! for `echo` alone).
 //!
 //! ## vLLM NIXL ([`KvMode::Nixl`], the default): sequential
 //!
@@ -489,9 +498,12 @@
 //!   pushed, expired, already taken, or a request served without a
 //!   prefill), LMCache's lookup misses and the engine computes the prompt
 //!   itself, as vLLM does (a local prefill). If it is on some ranks only
-//!   (a prefill of another TP size, a wrong port), it takes nothing and
-//!   answers 500 `"KV cache for this request has not arrived (..)"`,
-//!   counted in [`Stats::kv_missing`].
+//!   (a prefill of another TP size, a wrong port), it takes nothing and the
+//!   load fails as any failed load does (vLLM's LMCache connector forwards its
+//!   engine's load errors, so `kv_load_failure_policy="fail"` applies): a 500
+//!   `"KV cache for this request has not arrived (..)"`, or, streamed, that
+//!   failure after the 200 head (see [above](#prefilldecode-disaggregation)),
+//!   counted in [`Stats::kv_missing`] (not in [`Stats::kv_pull_failures`]).
 //!
 //! # Side channel protocol
 //!

@@ -2,7 +2,7 @@
 //! facts the simulator follows.
 //!
 //! * A chat request with `return_token_ids: true` is answered with the prompt's ids as a
-//!   top-level `prompt_token_ids` (a stream: on its first chunk).
+//!   top-level `prompt_token_ids` (a stream: on each choice's role chunk).
 //! * A chat request whose `kv_transfer_params` carries `prompt_token_ids` takes them as
 //!   its prompt and neither templates nor tokenizes the messages; the key is popped from
 //!   the dict before the engine sees it (`vllm/renderers/online_renderer.py`,

@@ -2047,6 +2047,21 @@ fn model_json(inner: &Inner, request: &CompletionRequest) -> String {
     }
 }
 
+/// What a streamed answer to the request names itself by.
+fn stream_ids<'a>(
+    inner: &Inner,
+    request: &CompletionRequest,
+    request_id: &str,
+    header_id: Option<&'a str>,
+) -> crate::kv_load_failure::StreamIds<'a> {
+    crate::kv_load_failure::StreamIds {
+        id: answer_id(request.endpoint, request_id),
+        created: unix_now(),
+        model_json: model_json(inner, request),
+        header_id,
+    }
+}
+
 /// Counts a failed KV fetch of a decode and makes its answer.
 fn kv_failure(counters: &Counters, e: &KvTransferError, request_id: &str) -> ApiError {
     bump(&counters.kv_pull_failures);
@@ -2395,8 +2410,11 @@ async fn serve_completion(
                 Err(e @ TakeError::Missing { .. }) => {
                     bump(&counters.kv_missing);
                     tracing::debug!(error = %e, request_id, "LMCache decode refused");
+                    // A load error to vLLM's scheduler, as any connector's: a streamed
+                    // request fails in its stream.
                     let e = ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
-                    return Err((e, guard));
+                    let ids = stream_ids(inner, request, request_id, header_id);
+                    return crate::kv_load_failure::answer(config.kv_mode, request, e, ids, guard);
                 }
             }
         }
@@ -2427,16 +2445,8 @@ async fn serve_completion(
         Some(Err(e)) => {
             let error = kv_failure(counters, &e, request_id);
             // vLLM's stream sent its head first: the failure is a part of the stream.
-            if crate::kv_load_failure::streamed(config.kv_mode, request) {
-                let ids = crate::kv_load_failure::StreamIds {
-                    id: answer_id(request.endpoint, request_id),
-                    created: unix_now(),
-                    model_json: model_json(inner, request),
-                    header_id,
-                };
-                return Ok(crate::kv_load_failure::stream(request, &error, ids, guard));
-            }
-            return Err((error, guard));
+            let ids = stream_ids(inner, request, request_id, header_id);
+            return crate::kv_load_failure::answer(config.kv_mode, request, error, ids, guard);
         }
         Some(Ok(())) => {
             bump(&counters.remote_decodes);

@@ -323,6 +323,38 @@ async fn streamed_token_ids_continue_exactly() {
     assert_eq!(plain[1]["choices"][0]["token_ids"], json!(null));
 }
 
+/// vLLM builds each of a chat stream's `n` role chunks with the prompt's ids
+/// (`prompt_token_ids=res.prompt_token_ids if request.return_token_ids`, inside its
+/// `for i in range(num_choices)`): every role chunk carries them, not only the first.
+#[tokio::test]
+async fn every_role_chunk_carries_the_prompt_ids() {
+    let e = engine().await;
+    let messages = json!([{"role": "user", "content": "tell me more"}]);
+    let body = json!({"messages": messages, "max_tokens": 2, "n": 3, "stream": true,
+                      "return_token_ids": true});
+    let events = post(e.addr(), "/v1/chat/completions", &body).await.events();
+    let roles: Vec<&Value> = events
+        .iter()
+        .filter(|ev| ev["choices"][0]["delta"]["role"] == "assistant")
+        .collect();
+    assert_eq!(roles.len(), 3, "{events:?}");
+    let ids = &roles[0]["prompt_token_ids"];
+    assert!(ids.as_array().is_some_and(|ids| !ids.is_empty()), "{ids}");
+    for (i, role) in roles.iter().enumerate() {
+        assert_eq!(role["choices"][0]["index"], i, "{role}");
+        assert_eq!(&role["prompt_token_ids"], ids, "{role}");
+    }
+    // Token chunks carry none.
+    for ev in events
+        .iter()
+        .filter(|ev| ev["choices"][0]["delta"].get("role").is_none())
+    {
+        if *ev != "[DONE]" {
+            assert!(ev.get("prompt_token_ids").is_none(), "{ev}");
+        }
+    }
+}
+
 #[tokio::test]
 async fn stream_frames_are_paced_and_separate() {
     let e = SimEngine::start(SimConfig {

@@ -11,7 +11,7 @@
 mod common;
 
 use common::*;
-use disagg_sim::{SimConfig, SimEngine};
+use disagg_sim::{KvMode, SimConfig, SimEngine, SimRole};
 use serde_json::{Value, json};
 
 const CHAT: &str = "/v1/chat/completions";
@@ -83,9 +83,10 @@ async fn streamed_chat_decode_whose_pull_fails_sends_role_chunks_then_the_error_
     assert_streamed(&reply);
     let events = reply.events();
     assert_eq!(events.len(), 4, "{}", reply.text());
-    // The first output makes the role chunk of every choice, the first with the
-    // prompt's ids; its finish reason `error` then raises before any token chunk, and
-    // the usage chunk (inside the same `try`) is never written.
+    // The first output makes the role chunk of every choice, each with the prompt's
+    // ids (vLLM builds every one of them with `prompt_token_ids`); its finish reason
+    // `error` then raises before any token chunk, and the usage chunk (inside the same
+    // `try`) is never written.
     for (i, role) in events[..2].iter().enumerate() {
         assert_eq!(role["object"], "chat.completion.chunk", "{role}");
         let choice = &role["choices"][0];
@@ -93,11 +94,13 @@ async fn streamed_chat_decode_whose_pull_fails_sends_role_chunks_then_the_error_
         assert_eq!(choice["delta"], json!({"role": "assistant", "content": ""}));
         assert_eq!(choice["finish_reason"], Value::Null);
         assert!(role.get("usage").is_none(), "{role}");
+        assert_eq!(
+            role["prompt_token_ids"].as_array().map(Vec::len),
+            Some(PROMPT.split_whitespace().count()),
+            "{role}"
+        );
     }
-    assert_eq!(
-        events[0]["prompt_token_ids"].as_array().unwrap().len(),
-        PROMPT.split_whitespace().count()
-    );
+    assert_eq!(events[0]["prompt_token_ids"], events[1]["prompt_token_ids"]);
     assert_error_event(&events[2]);
     assert_eq!(events[3], "[DONE]");
 
@@ -194,4 +197,117 @@ async fn streamed_completion_with_echo_gets_the_error_event() {
     assert_error_event(&events[0]);
     assert_eq!(events[1], "[DONE]");
     assert_eq!(d.stats().kv_pull_failures, 1);
+}
+
+/// vLLM's completions stream generator asserts `request.max_tokens is not None` on each
+/// output before its echo branch and its skip of an empty output: given
+/// `"max_tokens": null`, the failed load's output raises that, and the stream is its
+/// error event, then `data: [DONE]`, with no usage chunk (the `try` was left), echo or
+/// not. Not streamed, `_raise_if_error` comes first: the KV failure's 500.
+#[tokio::test]
+async fn streamed_completion_with_a_null_max_tokens_gets_the_null_limit_error_event() {
+    let (p, d) = pair().await;
+    let params = unpullable_params(&p).await;
+    for echo in [false, true] {
+        let body = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": null,
+                          "echo": echo, "stream": true,
+                          "stream_options": {"include_usage": true},
+                          "kv_transfer_params": params.clone()});
+        let reply = post(d.addr(), COMPLETIONS, &body).await;
+        assert_streamed(&reply);
+        let events = reply.events();
+        assert_eq!(events.len(), 2, "echo {echo}: {}", reply.text());
+        let error = &events[0]["error"];
+        assert_eq!(error["type"], "InternalServerError", "{}", events[0]);
+        assert_eq!(error["code"], 500, "{}", events[0]);
+        assert_eq!(
+            error["message"], "max_tokens must not be None",
+            "{}",
+            events[0]
+        );
+        assert_eq!(events[1], "[DONE]");
+    }
+    let body = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": null,
+                      "kv_transfer_params": params});
+    let reply = post(d.addr(), COMPLETIONS, &body).await;
+    assert_eq!(reply.status, 500, "{}", reply.text());
+    assert_error_event(&reply.json());
+
+    let s = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!((s.kv_pull_failures, s.remote_decodes), (3, 0));
+}
+
+async fn engine(kv_mode: KvMode, engine_id: &str) -> SimEngine {
+    SimEngine::start(SimConfig {
+        kv_mode,
+        engine_id: Some(engine_id.into()),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap()
+}
+
+/// A Mooncake decode whose fetch fails (an engine id the prefill's bootstrap server does
+/// not serve) streams the failure as NIXL's does.
+#[tokio::test]
+async fn streamed_mooncake_decode_whose_fetch_fails_sends_the_error_event() {
+    let p = engine(KvMode::Mooncake(SimRole::Prefill), "prefill-0").await;
+    let d = engine(KvMode::Mooncake(SimRole::Decode), "decode-0").await;
+    let messages = json!([{"role": "user", "content": PROMPT}]);
+    let prefill = json!({"model": "sim-model", "messages": messages, "max_tokens": 1,
+                         "kv_transfer_params": {"do_remote_decode": true,
+                                                "do_remote_prefill": false,
+                                                "transfer_id": "t"}});
+    assert_eq!(post(p.addr(), CHAT, &prefill).await.status, 200);
+    let decode = json!({"model": "sim-model", "messages": messages, "max_tokens": 4,
+                        "stream": true,
+                        "kv_transfer_params": {
+                            "do_remote_prefill": true, "do_remote_decode": false,
+                            "remote_bootstrap_addr":
+                                format!("http://{}", p.bootstrap_addr().unwrap()),
+                            "remote_engine_id": "someone-else", "transfer_id": "t"}});
+    let reply = post(d.addr(), CHAT, &decode).await;
+    assert_streamed(&reply);
+    let events = reply.events();
+    assert_eq!(events.len(), 3, "{}", reply.text());
+    assert_eq!(
+        events[0]["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""})
+    );
+    assert_error_event(&events[1]);
+    assert_eq!(events[2], "[DONE]");
+    let s = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!((s.kv_pull_failures, s.remote_decodes), (1, 0));
+}
+
+/// A NIXL push decode told another prefill engine id is refused at once; streamed, the
+/// refusal is in the stream.
+#[tokio::test]
+async fn streamed_push_decode_whose_registration_fails_sends_the_error_event() {
+    let p = engine(KvMode::NixlPush, "prefill-0").await;
+    let d = engine(KvMode::NixlPush, "decode-0").await;
+    let headers = [("x-request-id", "req-1")];
+    let prefill = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
+                         "kv_transfer_params": {"do_remote_decode": true}});
+    assert_eq!(
+        post_with(p.addr(), COMPLETIONS, &headers, &prefill)
+            .await
+            .status,
+        200
+    );
+    let decode = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 4,
+                        "echo": true, "stream": true,
+                        "kv_transfer_params": {
+                            "do_remote_prefill": true, "do_remote_decode": false,
+                            "remote_engine_id": "someone-else", "remote_host": "127.0.0.1",
+                            "remote_port": p.side_channel_addr().port(), "tp_size": 1}});
+    let reply = post_with(d.addr(), COMPLETIONS, &headers, &decode).await;
+    assert_streamed(&reply);
+    assert_eq!(reply.headers["x-request-id"], "req-1");
+    let events = reply.events();
+    assert_eq!(events.len(), 2, "{}", reply.text());
+    assert_error_event(&events[0]);
+    assert_eq!(events[1], "[DONE]");
+    let s = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!((s.kv_pull_failures, s.remote_decodes), (1, 0));
 }

@@ -601,6 +601,75 @@ async fn kv_on_one_of_two_ranks_is_refused() {
     assert_eq!(d.stats().kv_missing, 1);
 }
 
+/// LMCache's vLLM connector forwards its load errors (`get_block_ids_with_load_errors`),
+/// so `kv_load_failure_policy="fail"` applies to a streamed decode whose KV is on one of
+/// two ranks as to any failed load: a 200 head, then (chat) the role chunk, the error
+/// event and `[DONE]`, or (completions) no chunk of the answer, only `[DONE]`.
+#[tokio::test]
+async fn streamed_decode_whose_kv_is_on_one_of_two_ranks_fails_in_the_stream() {
+    let mut proxy = proxy().await;
+    let p = prefill(&proxy).await;
+    let d = decode(2).await;
+    let ids = tokenize(PROMPT);
+    let half = spec_to(
+        "half",
+        "127.0.0.1",
+        vec![d.lmcache_init_ports()[0]],
+        vec![d.lmcache_alloc_ports()[0]],
+    );
+    let reply = post(p.addr(), COMPLETIONS, &prefill_body(&ids, half)).await;
+    assert_eq!(reply.status, 200);
+    let v = reply.json();
+    let first_text = v["choices"][0]["text"].as_str().unwrap().to_owned();
+    let first_tok = v["kv_transfer_params"]["first_tok"].as_u64().unwrap();
+    assert_eq!(proxy.drain(Duration::from_millis(300)).await, ["half"]);
+    let held = d.stats().blocks_held;
+    assert!(held > 0);
+
+    let mut prompt: Vec<u64> = ids.iter().map(|&i| u64::from(i)).collect();
+    prompt.push(first_tok);
+    let body = json!({"prompt": prompt, "max_tokens": 3, "stream": true});
+    let reply = post(d.addr(), COMPLETIONS, &body).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.events(), [json!("[DONE]")], "{}", reply.text());
+
+    // The chat whose template tokenizes to the same prompt.
+    let content = format!("{PROMPT} {first_text}");
+    let body = json!({"messages": [{"role": "user", "content": content}], "max_tokens": 3,
+                      "stream": true});
+    let reply = post(d.addr(), "/v1/chat/completions", &body).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let events = reply.events();
+    assert_eq!(events.len(), 3, "{}", reply.text());
+    assert_eq!(
+        events[0]["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""})
+    );
+    let error = &events[1]["error"];
+    assert_eq!(error["type"], "InternalServerError", "{}", events[1]);
+    assert_eq!(error["code"], 500, "{}", events[1]);
+    let message = error["message"].as_str().unwrap();
+    assert!(
+        message.contains("KV cache for this request has not arrived")
+            && message.contains("rank [1]"),
+        "{message}"
+    );
+    assert_eq!(events[2], "[DONE]");
+
+    // Refused, as unstreamed: rank 0's KV is still there, and it is counted as missing.
+    let stats = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!(stats.blocks_held, held);
+    assert_eq!(
+        (
+            stats.kv_missing,
+            stats.kv_pull_failures,
+            stats.remote_decodes,
+            stats.local_prefills
+        ),
+        (2, 0, 0, 0)
+    );
+}
+
 /// A prefill of `tp` tensor-parallel ranks.
 async fn prefill_tp(proxy: &Proxy, tp: usize) -> SimEngine {
     SimEngine::start(SimConfig {
