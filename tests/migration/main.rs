@@ -13,6 +13,7 @@ use support::*;
 mod generate;
 mod observe;
 mod prefill;
+mod unfinished;
 
 /// A decode engine that aborts every stream after `chunks` SSE events.
 fn dying(chunks: usize) -> SimConfig {

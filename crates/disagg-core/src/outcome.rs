@@ -329,7 +329,8 @@ pub struct EncodeSummary {
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct Migration {
-    /// Why the stream broke: `reset`, `eof` (ended before `[DONE]`), `error_frame` (the
+    /// Why the stream broke: `reset`, `eof` (ended before `[DONE]`, or reached it before
+    /// its finish reason), `error_frame` (the
     /// `reason` label of `disagg_migrations_total`).
     pub reason: &'static str,
     /// The decode whose stream broke.

@@ -18,7 +18,12 @@
 //!   event's bytes are held. Past [`MigrationConfig::max_seq_len`] tokens the ids are
 //!   dropped and the request is no longer migratable.
 //! * **Detect.** The decode's body breaks, ends before `data: [DONE]`, or sends an
-//!   error event; after a plan's lead, its decode leg fails before its body (its
+//!   error event; a vLLM stream also when it reaches `[DONE]` before its choice's
+//!   finish reason (`unfinished.rs`: a completions decode whose KV load failed says
+//!   nothing else; a usage chunk before the finish is not relayed, and a completions
+//!   leg none of whose answer came is continued from the client's own prompt); when
+//!   not continued, the client's stream ends with the error, never a `[DONE]`.
+//!   After a plan's lead, its decode leg fails before its body (its
 //!   connection, a 5xx, its head's budget). Not when the first leg's KV gate fails,
 //!   its decode refuses it (a 4xx), or the deadline passes before its body: the
 //!   stream ends with that error.
@@ -113,8 +118,9 @@ mod plan;
 mod seen;
 mod start;
 mod times;
+mod unfinished;
 
-use head::{FirstChunk, Head};
+use head::Head;
 use moved::Broken;
 pub(crate) use moved::{Applied, Moved};
 use splice::{splice_chunk, usage_chunk};
@@ -131,9 +137,11 @@ pub(crate) use plan::{Plan, ask_ids, plan};
 #[cfg(test)]
 use scan::parse_ids;
 use scan::{
-    Held, IDS_KEY, IdsKey, event_end, is_error, next_ids, parse_ids_into, payload, trailing,
+    FINISH_KEY, Held, IDS_KEY, IdsKey, event_end, has_finish, is_done, is_error, next_ids,
+    parse_ids_into, payload, trailing,
 };
 use seen::Seen;
+use unfinished::Unfinished;
 
 /// Mid-stream migration settings (`--migration-limit`, `--migration-max-seq-len`,
 /// `--migration-allow-seed`, `--migration-decode-only`). See [docs/reliability.md] for
@@ -302,21 +310,18 @@ pub(crate) struct Migrating {
 struct Scan {
     /// `token_ids":` (the end of both ids keys).
     ids: memchr::memmem::Finder<'static>,
-    /// `"finish_reason":"` (a set finish reason).
+    /// `"finish_reason"` (set, to a string or SGLang's object: [`has_finish`]).
     finish: memchr::memmem::Finder<'static>,
     /// `"usage":{` (a usage chunk).
     usage: memchr::memmem::Finder<'static>,
-    /// `"finish_reason":{` (SGLang's finish reason, an object).
-    finish_object: memchr::memmem::Finder<'static>,
 }
 
 impl Scan {
     fn new() -> Self {
         Scan {
             ids: memchr::memmem::Finder::new(IDS_KEY),
-            finish: memchr::memmem::Finder::new(b"\"finish_reason\":\""),
+            finish: memchr::memmem::Finder::new(FINISH_KEY),
             usage: memchr::memmem::Finder::new(b"\"usage\":{"),
-            finish_object: memchr::memmem::Finder::new(b"\"finish_reason\":{"),
         }
     }
 }
@@ -515,6 +520,10 @@ impl Migrating {
             return Ok(None);
         };
         if data == b"[DONE]" {
+            if self.answer_missing() {
+                // The answer never finished: a broken stream, its `[DONE]` not relayed.
+                return Err(Reason::Eof);
+            }
             self.done = true;
             out.extend_from_slice(event);
             return Ok(None);
@@ -537,6 +546,9 @@ impl Migrating {
             return Ok(None);
         };
         if data == b"[DONE]" {
+            if self.answer_missing() {
+                return Err(Reason::Eof);
+            }
             self.done = true;
             out.extend_from_slice(b"data: [DONE]\n\n");
             return Ok(None);
@@ -552,26 +564,17 @@ impl Migrating {
         let Some(data) = self.relayed(event, out)? else {
             return Ok(());
         };
-        if self.head.is_none() {
-            // The first chunk, read once for its header and the prompt's ids (the rest
-            // skipped, not built).
-            match serde_json::from_slice::<FirstChunk<'_>>(data) {
-                Ok(first) => {
-                    self.head = Some(Head::of(&first));
-                    match first.prompt() {
-                        Some(ids) if ids.len() <= self.ctx.config.max_seq_len => {
-                            self.prompt = Some(ids);
-                        }
-                        _ => self.untrack(),
-                    }
-                }
-                Err(_) => self.untrack(),
-            }
+        if self.on && self.prompt.is_none() {
+            // The first chunk (or a usage chunk before it), read once.
+            self.read_first(data);
         }
-        if self.scan.finish.find(data).is_some() {
+        if has_finish(&self.scan.finish, data) {
             self.finished = true;
         }
         if self.ctx.plan.usage && self.scan.usage.find(data).is_some() {
+            if self.early_usage(true) {
+                return Ok(());
+            }
             self.usage_seen = true;
         }
         let blank = !self.ctx.plan.client_ids;
@@ -599,6 +602,10 @@ impl Migrating {
         let Some(data) = self.continued(event, out)? else {
             return Ok(());
         };
+        if self.on && self.prompt.is_none() {
+            // Continued from the client's prompt: the answer's first chunk is this leg's.
+            self.read_first(data);
+        }
         let Some(head) = &self.head else {
             return Err(Reason::ErrorFrame);
         };
@@ -607,6 +614,9 @@ impl Migrating {
         };
         self.finished |= spliced.finished;
         self.keep_ids(&spliced.ids);
+        if self.early_usage(spliced.usage) {
+            return Ok(());
+        }
         self.usage_seen |= spliced.usage;
         if let Some(json) = spliced.json {
             out.extend_from_slice(b"data: ");
@@ -667,10 +677,11 @@ impl Migrating {
         if ctx.plan.generate.is_some() {
             self.generate_prefix();
         }
-        let migratable = self.on
+        let migratable = (self.on
             && !self.raw
             && self.prompt.is_some()
-            && (self.head.is_some() || self.prefix.is_some());
+            && (self.head.is_some() || self.prefix.is_some()))
+            || self.unstarted();
         if migratable && self.finished && reason != Reason::ErrorFrame {
             // Every token is out, only the end is missing: the proxy writes it.
             self.tail = Some(self.end_of_stream());
@@ -694,8 +705,11 @@ impl Migrating {
             }
             return stays(dead);
         }
-        let Some(prompt) = self.prompt.as_ref() else {
-            return stays(dead);
+        let unstarted = self.unstarted();
+        let prompt = match self.prompt.as_ref() {
+            Some(prompt) => Some(prompt),
+            None if unstarted => None,
+            None => return stays(dead),
         };
         let generated = self.generated.len() as u64;
         let left = ctx.plan.max_tokens.map(|m| m.saturating_sub(generated));
@@ -723,13 +737,16 @@ impl Migrating {
             migration = self.migrations + 1,
             "decode stream broke mid-answer: continuing on another decode"
         );
-        let mut ids = Vec::with_capacity(prompt.len() + self.generated.len());
-        ids.extend_from_slice(prompt);
-        ids.extend_from_slice(&self.generated);
-        let body = if ctx.plan.generate.is_some() {
-            generate::continuation_body(&ctx.plan, &ids, generated, left)
-        } else {
-            continuation_body(&ctx.plan, &ids, generated, left)
+        let ids = prompt.map(|prompt| {
+            let mut ids = Vec::with_capacity(prompt.len() + self.generated.len());
+            ids.extend_from_slice(prompt);
+            ids.extend_from_slice(&self.generated);
+            ids
+        });
+        let body = match (&ctx.plan.generate, &ids) {
+            (Some(_), Some(ids)) => generate::continuation_body(&ctx.plan, ids, generated, left),
+            // With no ids, the client's own prompt (nothing of the answer came).
+            _ => continuation_body(&ctx.plan, ids.as_deref(), generated, left),
         };
         self.carried = generated;
         self.migrations += 1;
@@ -898,9 +915,16 @@ impl Migrating {
                                 }
                                 return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
                             }
-                            // As today: the error event goes out as the engine wrote it.
                             this.untrack();
                             this.raw = true;
+                            if is_done(&event) {
+                                // The answer never finished: no `[DONE]` (nor what came
+                                // after it), the stream ends with the error, after what
+                                // went before.
+                                this.held.clear();
+                                return Poll::Ready(Some(this.fail_after(out, Unfinished::Done)));
+                            }
+                            // As today: the error event goes out as the engine wrote it.
                             out.extend_from_slice(&event);
                             out.extend_from_slice(&this.held.take());
                             return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
@@ -948,7 +972,10 @@ impl Migrating {
                 continue;
             }
             // Not migrated: end as today (what is held goes first, then the error or
-            // the end).
+            // the end); an answer that never finished ends with an error too.
+            if reason == Reason::Eof && this.broke.is_none() && !this.finished {
+                this.broke = Some(Box::new(Unfinished::Eof));
+            }
             this.ended = true;
             this.raw = true;
             if !this.held.is_empty() {

@@ -184,7 +184,8 @@ pub struct OrchestratorStats {
     /// each was then served as [`MissingKv`] says.
     pub invalid_handoffs: u64,
     /// Mid-stream migrations started ([`MigrationConfig`]), by why the decode stream
-    /// broke: `reset`, `eof` (ended before `[DONE]`), `error_frame`.
+    /// broke: `reset`, `eof` (ended before `[DONE]`, or reached it before its finish
+    /// reason), `error_frame`.
     pub migrations: Vec<(&'static str, u64)>,
     /// Generated tokens carried over to continuations.
     pub migrated_tokens: u64,

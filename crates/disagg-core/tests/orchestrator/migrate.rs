@@ -20,6 +20,7 @@ mod continuation;
 mod counted;
 mod lead;
 mod traced;
+mod unfinished;
 mod window;
 
 const D2: &str = "http://d2:8200";

@@ -73,6 +73,16 @@ struct FirstChoice<'a> {
 }
 
 impl FirstChunk<'_> {
+    /// Whether the chunk has a choice (a usage chunk has none, `"choices":[]`).
+    pub(super) fn answers(&self) -> bool {
+        let mut any = false;
+        if let Some(choices) = self.choices {
+            // Not a list: no choice.
+            let _ = raw::elements(choices.get(), |_| any = true);
+        }
+        any
+    }
+
     /// The prompt's ids: at the top when set, else on the first choice (`None` when
     /// neither is a list of ids below 2^32).
     pub(super) fn prompt(&self) -> Option<Vec<u32>> {

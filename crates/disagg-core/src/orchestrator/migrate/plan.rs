@@ -219,11 +219,14 @@ pub(crate) fn ask_ids(config: &MigrationConfig, req: &PdRequest, leg: &Leg) -> O
     Some(asked)
 }
 
-/// The continuation's body: the client's sampling parameters, the token prompt, the
-/// token limits less what was generated, streamed with the new ids.
+/// The continuation's body: the client's sampling parameters, the token prompt `ids`
+/// (the prompt's and the generated ones), the token limits less what was generated,
+/// streamed with the new ids. With no `ids`, the prompt is the client's own, as it
+/// wrote it: a completions request none of whose answer came (nothing generated, its
+/// prompt's ids never told).
 pub(super) fn continuation_body(
     plan: &Plan,
-    ids: &[u32],
+    ids: Option<&[u32]>,
     generated: u64,
     left: Option<u64>,
 ) -> Bytes {
@@ -233,7 +236,12 @@ pub(super) fn continuation_body(
             body.set_raw(key, v);
         }
     }
-    body.set("prompt", ids);
+    match (ids, plan.body.get_bytes("prompt")) {
+        (Some(ids), _) => body.set("prompt", ids),
+        (None, Some(prompt)) => body.set_raw("prompt", prompt),
+        // A completions request has a prompt (`plan` read it).
+        (None, None) => {}
+    }
     // Never `null`, which vLLM's completions API fails on; a plan always has a limit
     // ([`plan`]), so `left` is always a number.
     if let Some(left) = left {

@@ -90,6 +90,34 @@ impl Held {
     }
 }
 
+/// The key of a choice's finish reason (vLLM's), or of `meta_info`'s (SGLang's).
+pub(super) const FINISH_KEY: &[u8] = b"\"finish_reason\"";
+
+/// Whether `data` (a chunk's payload) holds a `"finish_reason"` key set to a string
+/// (vLLM's) or an object (SGLang's), not `null`, however the engine spaced its JSON;
+/// `key` finds [`FINISH_KEY`]. A key written inside a string is escaped (`\"`) and,
+/// where the needle does match across an escaped quote (a text ending in
+/// `\"finish_reason`), it is a string's end, followed by no colon.
+pub(super) fn has_finish(key: &memchr::memmem::Finder<'_>, data: &[u8]) -> bool {
+    let mut at = 0;
+    while let Some(hit) = key.find(&data[at..]) {
+        at += hit + FINISH_KEY.len();
+        let value = data[at..]
+            .trim_ascii_start()
+            .strip_prefix(b":")
+            .map(<[u8]>::trim_ascii_start);
+        if let Some([b'"' | b'{', ..]) = value {
+            return true;
+        }
+    }
+    false
+}
+
+/// Whether the SSE event `event` is `data: [DONE]`.
+pub(super) fn is_done(event: &[u8]) -> bool {
+    payload(event) == Some(b"[DONE]".as_slice())
+}
+
 /// The end of both ids keys, `token_ids":`.
 pub(super) const IDS_KEY: &[u8] = b"token_ids\":";
 

@@ -3,6 +3,7 @@ use serde_json::Value;
 
 use super::*;
 use crate::request::Api;
+use head::FirstChunk;
 
 /// The header as a chunk the proxy writes holds it, read back.
 fn head_value(head: &Head) -> Value {
@@ -28,6 +29,38 @@ fn ids_are_found_in_choices_and_at_the_top_never_in_text() {
     assert_eq!(parse_ids(b"[1,-2]"), None);
     assert_eq!(parse_ids(b"[4294967296]"), None);
     assert_eq!(parse_ids(b"[]"), Some(vec![]));
+}
+
+/// A set finish reason is a string (vLLM's) or an object (SGLang's), however spaced;
+/// `null`, a key inside a text, and a text ending in the key's name are none.
+#[test]
+fn a_finish_reason_is_found_set_however_spaced_never_in_text() {
+    let key = memchr::memmem::Finder::new(scan::FINISH_KEY);
+    let has = |data: &str| scan::has_finish(&key, data.as_bytes());
+    for set in [
+        r#"{"choices":[{"index":0,"finish_reason":"stop"}]}"#,
+        r#"{"choices":[{"index":0,"finish_reason" :	"length"}]}"#,
+        "{\"finish_reason\":\n \"stop\"}",
+        r#"{"meta_info":{"finish_reason":{"type":"length","length":4}}}"#,
+        r#"{"meta_info":{"finish_reason" : {"type":"stop"}}}"#,
+        r#"{"choices":[{"finish_reason":null},{"finish_reason":"stop"}]}"#,
+    ] {
+        assert!(has(set), "{set}");
+    }
+    for unset in [
+        r#"{"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}"#,
+        r#"{"choices":[{"index":0,"finish_reason" : null}]}"#,
+        r#"{"choices":[{"delta":{"content":"\"finish_reason\":\"stop\""}}]}"#,
+        r#"{"choices":[{"text":"say \"finish_reason","finish_reason":null}]}"#,
+        r#"{"choices":[],"usage":{"prompt_tokens":3}}"#,
+        r#"{"choices":[{"finish_reason":"#,
+        "",
+    ] {
+        assert!(!has(unset), "{unset}");
+    }
+    assert!(scan::is_done(b"data: [DONE]\n\n"));
+    assert!(scan::is_done(b"data:[DONE]\n\n"));
+    assert!(!scan::is_done(b"data: {\"x\":\"[DONE]\"}\n\n"));
 }
 
 #[test]
@@ -243,7 +276,7 @@ fn a_continuation_carries_sampling_and_reduced_limits() {
     };
     let p = plan(&on, &req).unwrap();
     let body: serde_json::Value =
-        serde_json::from_slice(&continuation_body(&p, &[5, 6, 7], 3, Some(7))).unwrap();
+        serde_json::from_slice(&continuation_body(&p, Some(&[5, 6, 7]), 3, Some(7))).unwrap();
     assert_eq!(
         body,
         serde_json::json!({"model": "m", "temperature": 0.5, "stop": ["."], "prompt": [5, 6, 7],
