@@ -41,13 +41,16 @@
 //!    context: the `max_model_len` of the prefill's `/tokenize` answer less the
 //!    decode's prompt (the ids and the first token). When no `/tokenize` was asked for
 //!    the prompt (its ids were the client's, or a token-reading router's), `resolve`
-//!    takes that length from the prefill engine's latest `/tokenize` answer (a
-//!    prompt's, or this call's) when under 10 s old, else asks the prefill's
-//!    `/tokenize` for it alone (one character, its answer read within 16 ids), for
-//!    such a client or one with a limit above 1 (whose room it checks): at most once
-//!    per prefill engine per 10 s (requests that come together before its answer each
-//!    ask), none for a limit of 1 (the prefill's token, no decode leg) or a
-//!    `min_tokens` above the limit (refused). Never `null`:
+//!    takes that length from the prefill engine's latest `/tokenize` answer for the
+//!    request's `model` (a prompt's, or this call's) when under 10 s old, else asks the
+//!    prefill's `/tokenize` for it alone (one character, its answer read within 16
+//!    ids), for such a client or one with a limit above 1 (whose room it checks): about
+//!    once per prefill engine and model every 10 s, not strictly (requests that miss
+//!    together each ask, as does one the remembered length would refuse: see
+//!    `context.rs`), none for a limit of 1 (the prefill's token, no decode leg) or a
+//!    `min_tokens` above the limit (refused). A probe that fails on the engine's side
+//!    fails a client without a limit (502, the prefill named) and leaves a limit
+//!    unchecked, the failure remembered for 10 s. Never `null`:
 //!    vLLM's completions route asserts a number for every output. Only when the
 //!    prefill's answer gives no `max_model_len` is the key left out (vLLM's 16).
 //!    A known difference: vLLM
@@ -56,11 +59,12 @@
 //!    the context in numbers, does not apply it. The length is
 //!    the prefill's: the decode is assumed to run with a context at least as long
 //!    (the same model, normally the same `--max-model-len`); a shorter one refuses
-//!    the leg (400) after the client had its first token. A `min_tokens` above what
-//!    the request may generate (its limit, or the context less the prompt), and a
-//!    limit above the context less the prompt (completions' default of 16 among them),
-//!    are refused (400, the latter in vLLM's words) before the prefill runs, as vLLM
-//!    refuses them before generating any; a prompt that fills the context alone is
+//!    the leg (400) after the client had its first token. A limit above the context
+//!    less the prompt (completions' default of 16 among them), then a `min_tokens`
+//!    above what the request may generate (its limit, or the context less the prompt),
+//!    are refused (400; the limit as vLLM's error, `param` `max_tokens`, its words:
+//!    [`ConnectorError::Invalid`]) before the prefill runs, as vLLM refuses them, in
+//!    that order, before generating any; a prompt that fills the context alone is
 //!    left to the prefill, which refuses it. None is refused on a remembered length
 //!    (one that refuses is asked afresh). An engine restarted with another
 //!    `--max-model-len` behind the same address is read anew within 10 s; until then a
@@ -376,15 +380,9 @@ impl std::fmt::Display for LmcacheReceiver {
 /// refuses a prefill that declares another size, and `prepare` refuses such a pair per
 /// request when the receiver was inserted without declaring it.
 ///
-/// A request whose prompt ids were known without a `/tokenize` (the client's, or a
-/// token-reading router's) with no limit or one above 1 needs its prefill's context
-/// length (`max_model_len`): the connector remembers each prefill engine's, as any of
-/// its `/tokenize` answers told it, for 10 s (at most 1,024 engines, the oldest
-/// forgotten first), and asks it (a `/tokenize` of one character) only when it has
-/// none that recent. An engine restarted with another `--max-model-len` behind the
-/// same address is read anew within 10 s; until then a request its shorter context
-/// cannot hold is refused by the decode (400) after the client had its first token,
-/// and none is refused on a remembered length alone (a refusal asks afresh).
+/// A request whose prompt ids were known without a `/tokenize` needs its prefill's
+/// context length (`max_model_len`), which the connector remembers for 10 s per
+/// prefill engine and model, as the module doc of `lmcache/connector/context.rs` tells.
 ///
 /// ```no_run
 /// use std::sync::Arc;

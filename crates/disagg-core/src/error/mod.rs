@@ -14,7 +14,7 @@
 
 use std::fmt;
 
-use disagg_json::BodyError;
+use disagg_json::{BodyError, InvalidParam};
 
 use crate::endpoint::EndpointId;
 
@@ -188,6 +188,14 @@ pub enum ConnectorError {
         /// What it cannot serve.
         what: String,
     },
+    /// The client's request has a parameter its engines would refuse, which the
+    /// connector could tell only from what an engine told it (LMCache: a token limit
+    /// above the room the prefill's context leaves, its length learned from the
+    /// prefill's `/tokenize`). Answered as the proxy answers such a parameter found
+    /// before routing: 400 `invalid_parameter`, the parameter as `param`, the engine's
+    /// own words as the message, nothing in front of them.
+    #[error(transparent)]
+    Invalid(#[from] InvalidParam),
     /// An endpoint of the route lacks the configuration the connector needs (an LMCache
     /// decode without receiver ports).
     #[error("endpoint {endpoint} has no {what}")]
@@ -244,8 +252,9 @@ impl ConnectorError {
     /// the rank after routing sends the leg to a rank endpoint,
     /// [`proto::dp_rank`](crate::proto::dp_rank), and its errors name that). The
     /// others blame no engine: a route without a prefill, a client's request the
-    /// connector cannot carry, an endpoint without the configuration the
-    /// connector needs (the operator's), KV that will not be ready (the LMCache
+    /// connector cannot carry or a parameter of it the engines would refuse, an
+    /// endpoint without the configuration the connector needs (the operator's), KV
+    /// that will not be ready (the LMCache
     /// connector's declared-TP mismatch, its notification registry full or closed, a
     /// registration past its time to live: the proxy's side or its configuration; a
     /// gate that waits out the handoff budget is a timeout, not this), an encoder's
@@ -261,6 +270,7 @@ impl ConnectorError {
             | ConnectorError::Engine { endpoint, .. } => endpoint.same_engine(engine),
             ConnectorError::NeedsPrefill { .. }
             | ConnectorError::Unsupported { .. }
+            | ConnectorError::Invalid(_)
             | ConnectorError::NotConfigured { .. }
             | ConnectorError::NotReady { .. }
             | ConnectorError::InvalidEncoderAnswer { .. }
@@ -382,6 +392,7 @@ mod tests {
                 connector: "lmcache",
                 what: "n > 1".into(),
             },
+            ConnectorError::Invalid(InvalidParam::new("max_tokens", "too large")),
             ConnectorError::NotConfigured {
                 endpoint: p.clone(),
                 what: "receiver ports",

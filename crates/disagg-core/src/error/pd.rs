@@ -302,7 +302,9 @@ impl PdError {
                 Some(RouteError::ModelRequired { .. }) => StatusCode::BAD_REQUEST,
                 _ => StatusCode::SERVICE_UNAVAILABLE,
             },
-            Kind::Connector if self.is_unsupported() => StatusCode::BAD_REQUEST,
+            Kind::Connector if self.is_unsupported() || self.connector_param().is_some() => {
+                StatusCode::BAD_REQUEST
+            }
             Kind::Connector
             | Kind::UpstreamStatus { .. }
             | Kind::UpstreamBody { .. }
@@ -316,6 +318,9 @@ impl PdError {
     /// The request parameter at fault, OpenAI's `error.param`: set when the proxy
     /// refused a field the engines would refuse ([`InvalidParam`](disagg_json::InvalidParam)).
     pub(crate) fn param(&self) -> Option<&'static str> {
+        if let Some(p) = self.connector_param() {
+            return Some(p.param);
+        }
         match self.body_error()? {
             BodyError::Invalid(p) => Some(p.param),
             _ => None,
@@ -338,6 +343,7 @@ impl PdError {
                 _ => "no_decode_endpoint",
             },
             (Kind::Connector, _) if self.is_unsupported() => "unsupported_by_connector",
+            (Kind::Connector, _) if self.connector_param().is_some() => "invalid_parameter",
             (Kind::Deadline { phase }, _) if *phase != Phase::Encode => "deadline_exceeded",
             (Kind::QueueFull { .. }, _) => "queue_full",
             (Kind::QueueTimeout { .. }, _) => "queue_timeout",
@@ -371,6 +377,16 @@ impl PdError {
             self.connector_error(),
             Some(ConnectorError::Unsupported { .. })
         )
+    }
+
+    /// The parameter a connector refused as the engines would
+    /// ([`ConnectorError::Invalid`]): the client's fault, answered 400
+    /// `invalid_parameter` in the engine's own words.
+    fn connector_param(&self) -> Option<&disagg_json::InvalidParam> {
+        match self.connector_error()? {
+            ConnectorError::Invalid(p) => Some(p),
+            _ => None,
+        }
     }
 
     /// The connector's error this is, when it is one ([`PdError::connector`]).
@@ -448,10 +464,11 @@ impl PdError {
 
     /// Whether the cause's own words are the message (and so not told again as the
     /// source): a client's model the endpoints do not serve, a body too large or too
-    /// slow.
+    /// slow, a parameter a connector refused as the engines would.
     fn told_by_cause(&self) -> bool {
         match self.kind {
             Kind::Route => self.status().is_client_error(),
+            Kind::Connector => self.connector_param().is_some(),
             Kind::Body => matches!(
                 self.body_error(),
                 Some(BodyError::TooLarge { .. } | BodyError::TimedOut { .. })
@@ -513,7 +530,11 @@ impl fmt::Display for PdError {
                 None => f.write_str("no route for the request"),
             },
             Kind::Route => f.write_str("no route for the request"),
-            Kind::Connector => write!(f, "{} handoff failed", self.side),
+            // A parameter the engines would refuse is told in their words alone.
+            Kind::Connector => match self.connector_param() {
+                Some(p) => fmt::Display::fmt(p, f),
+                None => write!(f, "{} handoff failed", self.side),
+            },
             Kind::UpstreamStatus { endpoint, status } => {
                 write!(f, "{} endpoint {endpoint} answered {status}", self.side)
             }
@@ -704,6 +725,31 @@ mod tests {
             "request body is larger than the limit of 1024 bytes"
         );
         assert!(!e.is_retryable());
+    }
+
+    #[test]
+    fn a_parameter_a_connector_refuses_is_answered_as_the_checks_refusals() {
+        let words = "'max_tokens' or 'max_completion_tokens' is too large: 7.";
+        let invalid = disagg_json::InvalidParam::new("max_tokens", words);
+        let e = PdError::connector(Side::Prefill, ConnectorError::Invalid(invalid));
+        assert_eq!(
+            e.http(),
+            HttpFacts {
+                status: StatusCode::BAD_REQUEST,
+                code: "invalid_parameter",
+                error_type: "invalid_request_error",
+                param: Some("max_tokens"),
+                retry_after: None,
+            }
+        );
+        // The engine's words alone, nothing in front of them.
+        assert_eq!(error_chain(&e), words);
+        assert!(!e.is_retryable());
+        assert_eq!(e.side(), Side::Prefill);
+        assert_eq!(
+            e.connector_blames(Some(&EndpointId::from("http://p:1"))),
+            Some(false)
+        );
     }
 
     #[test]

@@ -6,14 +6,30 @@
 //! one-character probe ([`context_length`]) a known-ids request asks when it needs the
 //! length ([`needs_context`]). Each answer is remembered for [`TTL`] (10 s, as long as
 //! the proxy keeps the engines' model lists), keyed by the engine's `/tokenize`
-//! address: vLLM serves one model per engine, and its `/tokenize` answers that engine's
-//! `max_model_len` whatever name (a served alias, a LoRA adapter) the request gives, so
-//! the model is no part of the key; the data-parallel ranks of one engine (`URL@RANK`)
-//! share its address and its entry. An answer without a length is remembered too (an
-//! engine that does not tell it is not asked again for 10 s). So known-ids requests
-//! ask at most once per engine per 10 s, and not at all while prompts of text keep
-//! reaching that engine's `/tokenize`; requests that come together before the first
-//! answer each ask (no lock is held across the call).
+//! address and the `model` the request named, as written: one address may front
+//! engines of several models (a load balancer), each with its own `--max-model-len`.
+//! The data-parallel ranks of one engine (`URL@RANK`) share its address and its
+//! entries. An answer without a length is remembered too (an engine that does not tell
+//! it is not asked again for 10 s). A `model` of more than [`MAX_MODEL_KEY`] bytes is
+//! not remembered: its requests ask each time.
+//!
+//! So the probe is asked about once per engine and model every 10 s, and not at all
+//! while prompts of text keep reaching that engine's `/tokenize`; not strictly once:
+//!
+//! - requests that miss together (before the first answer, or once it expired) each
+//!   ask (no lock is held across the call);
+//! - a request the remembered length would refuse asks afresh (below), so each of a
+//!   run of requests whose limits the context cannot hold asks.
+//!
+//! A probe that fails on the engine's side (a status other than the client's 404 or
+//! 400/422, a gateway that does not route `/tokenize`, no answer in time: a
+//! [`ConnectorError::Engine`]) fails only a request that cannot do without the length:
+//! a client without a limit, whose decode's budget is the rest of the context. A
+//! request with a limit, which needed it only to check the limit's room, is carried
+//! unchecked (the decode refuses a limit its context cannot hold, after the prefill
+//! ran), and the failure is remembered for 10 s like an answer: the requests with a
+//! limit that follow skip the check without asking, those without one ask again. A
+//! warning is logged when a failure is learned, not for each request it then spares.
 //!
 //! An engine restarted with another `--max-model-len` behind the same address is read
 //! anew within 10 s. Until then the remembered length may be stale:
@@ -27,18 +43,22 @@
 //!   and the request refused only on that. A client without a limit is given the rest
 //!   of the remembered context, a shorter answer than it could have had.
 //!
-//! At most [`MAX_ENGINES`] engines are remembered. When a new one comes and the map is
-//! full, the expired entries are dropped and, if none was, the one learned longest ago
-//! (the next to expire anyway): clearing the map would send every engine's next
-//! known-ids request to ask again at once. One is evicted only when more than 1,024
-//! prefill engines answered within 10 s, and it costs that engine one probe more.
+//! At most [`MAX_ENGINES`] entries (engine and model) are remembered. When a new one
+//! comes and the map is full, the expired entries are dropped and, if none was, the one
+//! learned longest ago (the next to expire anyway): clearing the map would send every
+//! engine's next known-ids request to ask again at once. One is evicted only when more
+//! than 1,024 of them answered within 10 s, and it costs that engine one probe more.
+//!
+//! An answer that tells what its entry already says refreshes the entry's time in
+//! place, under the map's read lock: only a new or changed entry takes the write lock.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use disagg_core::endpoint::Endpoint;
-use disagg_core::error::ConnectorError;
+use disagg_core::error::{ConnectorError, error_chain};
 use disagg_core::transport::Transport;
 use disagg_tokenize::prompt::BlockingLimit;
 use http::Uri;
@@ -52,20 +72,53 @@ use super::limit::{check_limit, check_min_tokens, needs_context};
 /// answer: the proxy's cache of the engines' model lists lasts as long.
 const TTL: Duration = Duration::from_secs(10);
 
-/// The most prefill engines whose context length is remembered.
+/// The most entries (a prefill engine and a model) whose context length is remembered.
 const MAX_ENGINES: usize = 1024;
 
-/// Each prefill engine's latest context length, by its `/tokenize` address.
-#[derive(Debug, Default)]
+/// The longest `model` (in bytes, as the request wrote it) whose length is remembered:
+/// the key holds it, and a client names it.
+const MAX_MODEL_KEY: usize = 1024;
+
+/// Each prefill engine's latest context length, by its `/tokenize` address and model.
+#[derive(Debug)]
 pub(super) struct ContextLengths {
-    engines: Mutex<HashMap<Uri, Learned>>,
+    /// Where the entries' times count from.
+    epoch: Instant,
+    engines: RwLock<HashMap<Key, Learned>>,
 }
 
-/// One engine's context length (`None`: its answer gave none), and when it was told.
-#[derive(Debug, Clone, Copy)]
+impl Default for ContextLengths {
+    fn default() -> Self {
+        ContextLengths {
+            epoch: Instant::now(),
+            engines: RwLock::default(),
+        }
+    }
+}
+
+/// An entry's key: the prefill's `/tokenize` address and the request's `model`, as
+/// written (`None`: no `model`, or `null`; the probe names none then).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Key {
+    tokenize: Uri,
+    model: Option<Box<[u8]>>,
+}
+
+/// What an engine told, and when (nanoseconds after [`ContextLengths::epoch`], moved
+/// on in place by an answer that tells the same).
+#[derive(Debug)]
 struct Learned {
-    length: Option<u64>,
-    at: Instant,
+    told: Told,
+    at: AtomicU64,
+}
+
+/// What a prefill's `/tokenize` told of its context length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Told {
+    /// It answered: the length, `None` when the answer gave none.
+    Length(Option<u64>),
+    /// The probe failed on the engine's side: a limit goes unchecked.
+    Failed,
 }
 
 /// The prefill's `/tokenize`, as `resolve` asks it: through `transport`, on `ep`, naming
@@ -77,18 +130,37 @@ pub(super) struct Prefill<'a> {
     pub(super) blocking: &'a BlockingLimit,
 }
 
+impl Prefill<'_> {
+    /// The entry this prefill's answers are remembered under, when they are: `None`
+    /// for an address that makes no `/tokenize` URI (the call fails on it too) or a
+    /// `model` longer than [`MAX_MODEL_KEY`].
+    fn key(&self) -> Option<Key> {
+        let model = self.model.filter(|m| *m != b"null");
+        if model.is_some_and(|m| m.len() > MAX_MODEL_KEY) {
+            return None;
+        }
+        Some(Key {
+            tokenize: self.ep.uri("/tokenize").ok()?,
+            model: model.map(Box::from),
+        })
+    }
+}
+
 impl ContextLengths {
-    /// The context length a request is held to, once its `min_tokens` and limit were
-    /// checked against the room it leaves after a prompt of `prompt` ids
-    /// ([`check_min_tokens`], [`check_limit`]). `told`: the length the prompt's own
+    /// The context length a request is held to, once its limit and `min_tokens` were
+    /// checked, in that order, against the room it leaves after a prompt of `prompt`
+    /// ids ([`check_limit`], [`check_min_tokens`]). `told`: the length the prompt's own
     /// `/tokenize` answered (`Some`, remembered), or `None` when the ids were known.
     /// Then a request that [`needs_context`] takes the length remembered for the
     /// prefill, else asks it ([`context_length`]) and remembers the answer; a check the
-    /// remembered length fails is made again on a fresh answer.
+    /// remembered length fails is made again on a fresh answer. A request with a limit
+    /// whose probe fails on the engine's side, or failed within 10 s, is checked
+    /// without the length (the limit's room unchecked); the failure is remembered.
     ///
     /// # Errors
     ///
-    /// The checks' refusals (400), and the failures of [`context_length`].
+    /// The checks' refusals (400), and the failures of [`context_length`] but those
+    /// of the engine's side for a request with a limit.
     pub(super) async fn checked(
         &self,
         plan: &Plan,
@@ -97,21 +169,28 @@ impl ContextLengths {
         prefill: Prefill<'_>,
     ) -> Result<Option<u64>, ConnectorError> {
         let check = |length: Option<u64>| -> Result<Option<u64>, ConnectorError> {
-            check_min_tokens(plan, prompt, length)?;
-            check_limit(plan, prompt, length).map(|()| length)
+            check_limit(plan, prompt, length)?;
+            check_min_tokens(plan, prompt, length).map(|()| length)
         };
-        let key = prefill.ep.uri("/tokenize").ok();
         if let Some(length) = told {
-            self.learn(key, length);
+            if let Some(key) = prefill.key() {
+                self.learn(key, Told::Length(length));
+            }
             return check(length);
         }
         if !needs_context(plan) {
             return check(None);
         }
-        if let Some(length) = key.as_ref().and_then(|k| self.remembered(k))
-            && let Ok(length) = check(length)
-        {
-            return Ok(length);
+        let limited = plan.max_tokens.is_some();
+        let key = prefill.key();
+        match key.as_ref().and_then(|k| self.remembered(k)) {
+            Some(Told::Length(length)) => {
+                if let Ok(length) = check(length) {
+                    return Ok(length);
+                }
+            }
+            Some(Told::Failed) if limited => return check(None),
+            _ => {}
         }
         let Prefill {
             transport,
@@ -119,41 +198,94 @@ impl ContextLengths {
             model,
             blocking,
         } = prefill;
-        let length = context_length(transport, ep, model, blocking).await?;
-        self.learn(key, length);
-        check(length)
-    }
-
-    /// The length told for `key` less than [`TTL`] ago.
-    fn remembered(&self, key: &Uri) -> Option<Option<u64>> {
-        let learned = *self.lock().get(key)?;
-        (learned.at.elapsed() < TTL).then_some(learned.length)
-    }
-
-    /// `length`, as the engine at `key` just told it; at most [`MAX_ENGINES`] kept.
-    fn learn(&self, key: Option<Uri>, length: Option<u64>) {
-        let Some(key) = key else {
-            return;
+        let asked = context_length(transport, ep, model, blocking).await;
+        let told = match &asked {
+            Ok(length) => Told::Length(*length),
+            Err(ConnectorError::Engine { .. }) => Told::Failed,
+            // The client's (its model), the proxy's or the operator's: nothing learned.
+            Err(_) => return asked,
         };
-        let now = Instant::now();
-        let mut engines = self.lock();
+        let learned = key.is_some_and(|key| self.learn(key, told));
+        match asked {
+            Ok(length) => check(length),
+            Err(e) => {
+                if learned {
+                    tracing::warn!(
+                        endpoint = %ep.id(),
+                        error = %error_chain(&e),
+                        "the prefill's /tokenize gave no context length: for 10 s its requests with a token limit go without the limit's room checked, those without one fail"
+                    );
+                } else {
+                    tracing::debug!(
+                        endpoint = %ep.id(),
+                        error = %error_chain(&e),
+                        "the prefill's /tokenize gave no context length again"
+                    );
+                }
+                if limited { check(None) } else { Err(e) }
+            }
+        }
+    }
+
+    /// What the entry `key` was told less than [`TTL`] ago.
+    fn remembered(&self, key: &Key) -> Option<Told> {
+        let engines = self.read();
+        let learned = engines.get(key)?;
+        let age = self
+            .now()
+            .saturating_sub(learned.at.load(Ordering::Relaxed));
+        (age < nanos(TTL)).then_some(learned.told)
+    }
+
+    /// `told`, as the engine and model of `key` just told it; at most [`MAX_ENGINES`]
+    /// entries kept. True when the entry says something new: it had none, another
+    /// answer, or one older than [`TTL`]. An answer the entry already holds moves its
+    /// time on in place, under the read lock.
+    fn learn(&self, key: Key, told: Told) -> bool {
+        let now = self.now();
+        if let Some(learned) = self.read().get(&key).filter(|l| l.told == told) {
+            let at = learned.at.fetch_max(now, Ordering::Relaxed);
+            return now.saturating_sub(at) >= nanos(TTL);
+        }
+        let mut engines = self.write();
         if engines.len() >= MAX_ENGINES && !engines.contains_key(&key) {
-            engines.retain(|_, learned| now.duration_since(learned.at) < TTL);
+            let ttl = nanos(TTL);
+            engines.retain(|_, l| now.saturating_sub(l.at.load(Ordering::Relaxed)) < ttl);
             if engines.len() >= MAX_ENGINES {
                 let oldest = engines
                     .iter()
-                    .min_by_key(|(_, learned)| learned.at)
+                    .min_by_key(|(_, l)| l.at.load(Ordering::Relaxed))
                     .map(|(key, _)| key.clone());
                 if let Some(oldest) = oldest {
                     engines.remove(&oldest);
                 }
             }
         }
-        engines.insert(key, Learned { length, at: now });
+        let learned = Learned {
+            told,
+            at: AtomicU64::new(now),
+        };
+        engines.insert(key, learned);
+        true
     }
 
-    /// The map, whatever a panic elsewhere left it: each entry is written whole.
-    fn lock(&self) -> MutexGuard<'_, HashMap<Uri, Learned>> {
-        self.engines.lock().unwrap_or_else(PoisonError::into_inner)
+    /// The time now, in nanoseconds after [`epoch`](Self::epoch).
+    fn now(&self) -> u64 {
+        nanos(Instant::now().saturating_duration_since(self.epoch))
     }
+
+    /// The map to read, whatever a panic elsewhere left it: each entry is written whole.
+    fn read(&self) -> RwLockReadGuard<'_, HashMap<Key, Learned>> {
+        self.engines.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The map to write, whatever a panic elsewhere left it.
+    fn write(&self) -> RwLockWriteGuard<'_, HashMap<Key, Learned>> {
+        self.engines.write().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// `d` in nanoseconds (`u64::MAX` past some 584 years).
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }

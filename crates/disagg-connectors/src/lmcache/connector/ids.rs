@@ -75,8 +75,9 @@ const PROBE_IDS: usize = 16;
 /// with the client's `model` (unless `null`) and a prompt of one character, since only
 /// the answer's `max_model_len` is read, that answer read within [`PROBE_IDS`] ids.
 /// Asked only when the request needs it ([`needs_context`](super::limit::needs_context))
-/// and no answer of the engine's told it in the last 10 s
-/// ([`ContextLengths`](super::context::ContextLengths), which remembers this answer).
+/// and no answer of the engine's for that model told it in the last 10 s
+/// ([`ContextLengths`](super::context::ContextLengths), which remembers this answer, and
+/// a failure of the engine's for 10 s too).
 ///
 /// # Errors
 ///

@@ -5,6 +5,7 @@ use disagg_json::JsonBody;
 use disagg_json::lax::{self, TokenLimit};
 
 use disagg_core::error::ConnectorError;
+use disagg_json::InvalidParam;
 
 use super::{Plan, refused};
 
@@ -46,12 +47,15 @@ pub(super) fn rest_of_context(plan: &Plan, prompt: usize) -> Option<u64> {
 
 /// Whether the request needs the prefill's context length, which a `/tokenize` of
 /// its prompt tells (when the ids were known, remembered for 10 s or asked:
-/// [`ContextLengths`](super::context::ContextLengths)): a client without a limit, whose decode gets the rest of the
-/// context, and one whose limit is above 1, which [`check_limit`] holds against the
-/// room the context leaves (as does [`check_min_tokens`] a `min_tokens` within it).
-/// A limit of 1 needs none: the prefill's token meets it and no decode leg is sent,
-/// and the prefill refuses a prompt with no room for that token itself. Nor does a
-/// `min_tokens` above the limit, which is refused without it.
+/// [`ContextLengths`](super::context::ContextLengths)): a client without a limit, whose
+/// decode gets the rest of the context (and whose `min_tokens` [`check_min_tokens`]
+/// holds against it), and one whose limit is above 1, which [`check_limit`] holds
+/// against the room the context leaves (a `min_tokens` within a limit the room holds
+/// fits it too). The first cannot do without it; the second only goes unchecked
+/// without it (a prefill whose `/tokenize` fails). A limit of 1 needs none: the
+/// prefill's token meets it and no decode leg is sent, and the prefill refuses a
+/// prompt with no room for that token itself. Nor does a `min_tokens` above the limit,
+/// which is refused without it.
 pub(super) fn needs_context(plan: &Plan) -> bool {
     match plan.max_tokens {
         None => true,
@@ -60,12 +64,15 @@ pub(super) fn needs_context(plan: &Plan) -> bool {
 }
 
 /// The refusal (400) of a client's token limit above the room the context of
-/// `max_model_len` tokens (when known) leaves after a prompt of `prompt` ids, in vLLM's
-/// words, as vLLM refuses such a request before generating any (its prompt and limit
-/// past the context). Checked before the prefill runs: past it, the decode leg (the ids
-/// and the prefill's token, the limit less one: as many tokens) would be refused after
-/// the client had its first token, the prefill's KV pushed for nothing. A prompt that
-/// fills the context is left to the prefill, which refuses it for its length.
+/// `max_model_len` tokens (when known) leaves after a prompt of `prompt` ids, as vLLM
+/// refuses such a request before generating any (its prompt and limit past the
+/// context): [`ConnectorError::Invalid`], `param` `max_tokens` and vLLM's message word
+/// for word, as the proxy answers a parameter the engines would refuse. Checked before
+/// the prefill runs, and before [`check_min_tokens`] (vLLM checks the limit against the
+/// context first): past it, the decode leg (the ids and the prefill's token, the limit
+/// less one: as many tokens) would be refused after the client had its first token,
+/// the prefill's KV pushed for nothing. A prompt that fills the context is left to the
+/// prefill, which refuses it for its length.
 pub(super) fn check_limit(
     plan: &Plan,
     prompt: usize,
@@ -76,8 +83,11 @@ pub(super) fn check_limit(
     };
     let prompt = u64::try_from(prompt).unwrap_or(u64::MAX);
     if prompt < context && limit > context - prompt {
-        return Err(refused(format!(
-            "a token limit above what its context leaves: 'max_tokens' or 'max_completion_tokens' is too large: {limit}. This model's maximum context length is {context} tokens and your request has {prompt} input tokens ({limit} > {context} - {prompt}). (parameter=max_tokens, value={limit})"
+        return Err(ConnectorError::Invalid(InvalidParam::new(
+            "max_tokens",
+            format!(
+                "'max_tokens' or 'max_completion_tokens' is too large: {limit}. This model's maximum context length is {context} tokens and your request has {prompt} input tokens ({limit} > {context} - {prompt}). (parameter=max_tokens, value={limit})"
+            ),
         )));
     }
     Ok(())
@@ -85,12 +95,12 @@ pub(super) fn check_limit(
 
 /// The refusal (400) of a `min_tokens` above the tokens the request may generate, as
 /// vLLM refuses it before generating any (`SamplingParams`: `min_tokens` at most the
-/// resolved `max_tokens`, which is at most the context less the prompt): the context of
-/// `max_model_len` tokens (when known) less a prompt of `prompt` ids, and the client's
-/// limit. Checked before the prefill runs: past it, the decode leg (`min_tokens - 1`
-/// above its `max_tokens`) would be refused after the client had its first token. A
-/// prompt that fills the context is left to the prefill, which refuses it for its
-/// length.
+/// resolved `max_tokens`, which is at most the context less the prompt): the client's
+/// limit, else the context of `max_model_len` tokens (when known) less a prompt of
+/// `prompt` ids. With a limit [`check_limit`] passed, the limit is the lesser. Checked
+/// before the prefill runs: past it, the decode leg (`min_tokens - 1` above its
+/// `max_tokens`) would be refused after the client had its first token. A prompt that
+/// fills the context is left to the prefill, which refuses it for its length.
 pub(super) fn check_min_tokens(
     plan: &Plan,
     prompt: usize,
@@ -99,6 +109,11 @@ pub(super) fn check_min_tokens(
     let Some(min) = plan.min_tokens else {
         return Ok(());
     };
+    if let Some(limit) = plan.max_tokens.filter(|&m| min > m) {
+        return Err(refused(format!(
+            "a `min_tokens` of {min} above its token limit ({limit})"
+        )));
+    }
     let prompt = u64::try_from(prompt).unwrap_or(u64::MAX);
     if let Some(context) = max_model_len.filter(|&m| m > prompt)
         && min > context - prompt
@@ -106,11 +121,6 @@ pub(super) fn check_min_tokens(
         return Err(refused(format!(
             "a `min_tokens` of {min} above what its context leaves (a context of {context} tokens leaves {} after a prompt of {prompt})",
             context - prompt
-        )));
-    }
-    if let Some(limit) = plan.max_tokens.filter(|&m| min > m) {
-        return Err(refused(format!(
-            "a `min_tokens` of {min} above its token limit ({limit})"
         )));
     }
     Ok(())

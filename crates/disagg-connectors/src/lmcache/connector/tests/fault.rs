@@ -33,14 +33,15 @@ async fn resolve_err(req: &PdRequest, engine: &dyn Transport) -> ConnectorError 
 /// The client's answer for `err`, a prefill-side connector error, as the HTTP layer
 /// renders it: its status, and OpenAI's error body.
 pub(super) fn answered(err: ConnectorError) -> (u16, Value) {
-    let pd = PdError::connector(Side::Prefill, err);
+    rendered(&PdError::connector(Side::Prefill, err))
+}
+
+/// The client's answer for `pd` as the HTTP layer renders it: its status, and OpenAI's
+/// error body.
+pub(super) fn rendered(pd: &PdError) -> (u16, Value) {
     let facts = pd.http();
-    let body = disagg_json::openai_error_body(
-        &error_chain(&pd),
-        facts.error_type,
-        facts.param,
-        facts.code,
-    );
+    let body =
+        disagg_json::openai_error_body(&error_chain(pd), facts.error_type, facts.param, facts.code);
     (
         facts.status.as_u16(),
         serde_json::from_slice(&body).unwrap(),

@@ -454,7 +454,9 @@ async fn a_decode_without_a_limit_gets_the_rest_of_the_context_when_the_ids_are_
 /// the context less the prompt) before generating any: so does the connector, before
 /// the prefill runs, with a 400 in OpenAI's format naming no engine. Without it the
 /// decode leg (`min_tokens - 1` above its `max_tokens`) would be refused after the
-/// client had its first token. At the room left, the request is carried.
+/// client had its first token. A limit the context cannot hold is refused first, in
+/// vLLM's words for the limit, as vLLM checks the limit against the context before it
+/// reads the `min_tokens`. At the room left, the request is carried.
 #[tokio::test]
 async fn a_min_tokens_above_the_room_left_is_refused_before_the_prefill() {
     let c = connector();
@@ -463,10 +465,45 @@ async fn a_min_tokens_above_the_room_left_is_refused_before_the_prefill() {
     let chat = |extra: &str| {
         format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}]{extra}}}"#)
     };
+    // A limit of 10 and a `min_tokens` of 4, both above the room: the limit's refusal.
+    let mut h = c
+        .prepare(
+            &route(Some(receiver())),
+            &request(
+                Api::Chat,
+                &chat(r#","min_tokens":4,"max_completion_tokens":10"#),
+            ),
+        )
+        .unwrap();
+    let err = c.resolve(&mut h, &Tokenizer(five)).await.unwrap_err();
+    let (code, body) = super::fault::answered(err);
+    assert_eq!(code, 400, "{body}");
+    assert_eq!(body["error"]["param"], "max_tokens", "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("'max_tokens' or 'max_completion_tokens' is too large: 10."),
+        "{message}"
+    );
+    // A limit of 3, which the room holds, and a `min_tokens` of 4 above both: refused
+    // for the limit (vLLM's `min_tokens` at most the `max_tokens`), in its own words.
+    let mut h = c
+        .prepare(
+            &route(Some(receiver())),
+            &request(
+                Api::Chat,
+                &chat(r#","min_tokens":4,"max_completion_tokens":3"#),
+            ),
+        )
+        .unwrap();
+    let err = c.resolve(&mut h, &Tokenizer(five)).await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("a `min_tokens` of 4 above its token limit (3)"),
+        "{err}"
+    );
     for extra in [
         r#","min_tokens":4"#,
         r#","min_tokens":"4","max_tokens":null"#,
-        r#","min_tokens":4,"max_completion_tokens":10"#,
     ] {
         let mut h = c
             .prepare(&route(Some(receiver())), &request(Api::Chat, &chat(extra)))
@@ -516,13 +553,13 @@ async fn a_min_tokens_above_the_room_left_is_refused_before_the_prefill() {
     }
 }
 
-/// A `min_tokens` above 1 needs the room the context leaves after the prompt, which no
-/// `/tokenize` told when the ids were known, even for a client with a limit: the
-/// context length is asked of the prefill's `/tokenize`, and a `min_tokens` above the
-/// room is refused (400) before the prefill, not by the decode after the client had
-/// its first token. At the room left the request is carried. The limit's own room is
-/// asked for alike (`room.rs`), whatever the `min_tokens`; one above the limit is
-/// refused by the limit alone, nothing asked. Each request here has a connector of its
+/// A client with a limit and a `min_tokens` within it, whose ids were known without a
+/// `/tokenize`: the context length is asked of the prefill's `/tokenize` for the
+/// limit's room (`room.rs`), and a limit above it is refused (400, vLLM's words for the
+/// limit, as vLLM checks it first) before the prefill, whatever the `min_tokens`; one
+/// the room holds holds the `min_tokens` too. At the room left the request is
+/// carried. A `min_tokens` above a limit the room holds is refused in words of its
+/// own, by the limit alone, nothing asked. Each request here has a connector of its
 /// own: one remembers the length it learned for 10 s (`remembered.rs`).
 #[tokio::test]
 async fn a_min_tokens_with_a_limit_is_checked_against_the_room_when_the_ids_are_known() {
@@ -554,9 +591,12 @@ async fn a_min_tokens_with_a_limit_is_checked_against_the_room_when_the_ids_are_
         assert!(h.gate.is_none());
         let (code, body) = super::fault::answered(err);
         assert_eq!(code, 400, "{body}");
+        assert_eq!(body["error"]["param"], "max_tokens", "{body}");
         let message = body["error"]["message"].as_str().unwrap();
         assert!(
-            message.contains("`min_tokens` of 7") && message.contains("leaves 6"),
+            message.starts_with(
+                "'max_tokens' or 'max_completion_tokens' is too large: 10. This model's maximum context length is 8 tokens and your request has 2 input tokens (10 > 8 - 2)."
+            ),
             "{message}"
         );
     }

@@ -1,8 +1,10 @@
-//! Each prefill engine's context length (`max_model_len`), remembered for 10 s from any
-//! of its `/tokenize` answers (the prompt's, or the one-character probe's), so that a
-//! request whose ids were known without a `/tokenize` (the client's, or a token-reading
-//! router's) asks the prefill for it at most once per engine in that time, not once per
-//! request. Time is tokio's, paused here and moved on by hand.
+//! Each prefill engine's context length (`max_model_len`) for each model, remembered for
+//! 10 s from any of its `/tokenize` answers (the prompt's, or the one-character
+//! probe's), so that a request whose ids were known without a `/tokenize` (the
+//! client's, or a token-reading router's) asks the prefill for it about once per engine
+//! and model in that time, not once per request; and a probe that failed on the
+//! engine's side, remembered as long, which leaves a limit unchecked. Time is tokio's,
+//! paused here and moved on by hand.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -22,8 +24,21 @@ use super::*;
 /// and limit pass the context, else answered.
 struct Engines {
     context: Mutex<u64>,
+    /// The context lengths of the models named here, when one address serves several
+    /// (a load balancer in front of engines of different models); `context` for any
+    /// other.
+    models: Vec<(&'static str, u64)>,
+    /// How each `/tokenize` fails, while it does.
+    failing: Mutex<Option<Fault>>,
     notifications: Option<Notifications>,
     seen: Mutex<Vec<(String, Bytes)>>,
+}
+
+/// A failing `/tokenize`: a status answered, or no answer in time.
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    Status(http::StatusCode),
+    Timeout,
 }
 
 impl Engines {
@@ -34,13 +49,43 @@ impl Engines {
     fn notifying(context: u64, notifications: Option<Notifications>) -> Arc<Self> {
         Arc::new(Engines {
             context: Mutex::new(context),
+            models: Vec::new(),
+            failing: Mutex::default(),
             notifications,
+            seen: Mutex::default(),
+        })
+    }
+
+    /// One address serving the `models`, each with its own context length.
+    fn serving(models: Vec<(&'static str, u64)>) -> Arc<Self> {
+        Arc::new(Engines {
+            context: Mutex::new(0),
+            models,
+            failing: Mutex::default(),
+            notifications: None,
             seen: Mutex::default(),
         })
     }
 
     fn context(&self) -> u64 {
         self.context.lock().map(|c| *c).unwrap_or_default()
+    }
+
+    /// The context length a `/tokenize` of `body` is answered with: its model's.
+    fn context_of(&self, body: &Bytes) -> u64 {
+        let asked: Value = serde_json::from_slice(body).unwrap_or_default();
+        let model = asked["model"].as_str().unwrap_or_default();
+        self.models
+            .iter()
+            .find(|(m, _)| *m == model)
+            .map_or_else(|| self.context(), |(_, c)| *c)
+    }
+
+    /// Every `/tokenize` fails as `fault` says from now on (`None`: answers again).
+    fn fail_tokenize(&self, fault: Option<Fault>) {
+        if let Ok(mut f) = self.failing.lock() {
+            *f = fault;
+        }
     }
 
     /// Every engine behind the transport restarted with a context of `context`.
@@ -116,15 +161,21 @@ impl Transport for Engines {
         if let Ok(mut seen) = self.seen.lock() {
             seen.push((uri, req.body().clone()));
         }
-        let (status, answer) = match req.uri().path() {
-            "/tokenize" => (
+        let failing = self.failing.lock().map(|f| *f).unwrap_or_default();
+        let (status, answer) = match (req.uri().path(), failing) {
+            ("/tokenize", Some(Fault::Timeout)) => {
+                let timeout = disagg_core::error::TransportError::Timeout;
+                return Box::pin(async move { Err(timeout) });
+            }
+            ("/tokenize", Some(Fault::Status(status))) => (status, "no".to_owned()),
+            ("/tokenize", None) => (
                 http::StatusCode::OK,
                 format!(
                     r#"{{"count":2,"max_model_len":{},"tokens":[5,6]}}"#,
-                    self.context()
+                    self.context_of(req.body())
                 ),
             ),
-            "/v1/completions" => self.leg(&host, req.body()),
+            ("/v1/completions", _) => self.leg(&host, req.body()),
             _ => (http::StatusCode::NOT_FOUND, "{}".to_owned()),
         };
         let body = http_body_util::Full::new(Bytes::from(answer))
@@ -426,4 +477,135 @@ async fn an_engine_restarted_with_a_shorter_context_is_read_anew_within_ten_seco
     assert_eq!(status, 400, "{answer}");
     assert!(answer.contains(&too_large(7, 8, 2)), "{answer}");
     assert_eq!(engines.uris()[asked..], [format!("{P}/tokenize")]);
+}
+
+/// A prefill whose `/tokenize` fails (a gateway that does not route it: 405, 501; an
+/// engine's 500 or 503; no answer in time): a request with a limit needed the context
+/// length only to check the limit's room, so it is carried unchecked, as before that
+/// check existed (a limit the context cannot hold is then the decode's to refuse), and
+/// the failure is remembered for 10 s: the next such requests do not ask. A client
+/// without a limit, whose decode's budget is the rest of the context, still fails (502,
+/// the prefill named) and asks each time, a failure remembered or not.
+#[tokio::test(start_paused = true)]
+async fn a_failing_probe_leaves_a_limit_unchecked_and_is_remembered() {
+    let faults = [
+        Fault::Status(http::StatusCode::METHOD_NOT_ALLOWED),
+        Fault::Status(http::StatusCode::NOT_IMPLEMENTED),
+        Fault::Status(http::StatusCode::INTERNAL_SERVER_ERROR),
+        Fault::Status(http::StatusCode::SERVICE_UNAVAILABLE),
+        Fault::Timeout,
+    ];
+    for fault in faults {
+        let c = connector();
+        let engines = Engines::new(64);
+        engines.fail_tokenize(Some(fault));
+        let h = resolved(&c, P, &engines, &client_ids(7))
+            .await
+            .unwrap_or_else(|e| panic!("{fault:?}: {}", error_chain(&e)));
+        assert_eq!(engines.probes(P), 1, "{fault:?}");
+        // The decode owes the limit less the prefill's token.
+        assert_eq!(decode_budget(&c, h).await, json!(6), "{fault:?}");
+
+        // Within 10 s: not asked again, the limit not checked (100 > 64 - 2).
+        tokio::time::advance(Duration::from_millis(9_000)).await;
+        resolved(&c, P, &engines, &client_ids(100))
+            .await
+            .unwrap_or_else(|e| panic!("{fault:?}: {}", error_chain(&e)));
+        assert_eq!(engines.probes(P), 1, "{fault:?}");
+
+        // A client without a limit asks, and fails naming the prefill.
+        let err = resolved(&c, P, &engines, &routed_unlimited())
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("{fault:?}: carried"));
+        assert!(
+            matches!(&err, ConnectorError::Engine { endpoint, what: "/tokenize", .. } if endpoint.as_str() == P),
+            "{fault:?}: {err:?}"
+        );
+        assert_eq!(super::fault::answered(err).0, 502, "{fault:?}");
+        assert_eq!(engines.probes(P), 2, "{fault:?}");
+
+        // 10 s after the last failure, asked again.
+        tokio::time::advance(Duration::from_secs(10)).await;
+        resolved(&c, P, &engines, &client_ids(7)).await.unwrap();
+        assert_eq!(engines.probes(P), 3, "{fault:?}");
+
+        // Once it answers again (and the failure is 10 s old), the room is checked.
+        engines.fail_tokenize(None);
+        tokio::time::advance(Duration::from_secs(10)).await;
+        let err = resolved(&c, P, &engines, &client_ids(100))
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("{fault:?}: carried"));
+        let (status, body) = super::fault::answered(err);
+        assert_eq!(status, 400, "{fault:?}: {body}");
+        assert_eq!(engines.probes(P), 4, "{fault:?}");
+    }
+}
+
+/// Through the orchestrator: a known-ids request with a limit whose prefill's
+/// `/tokenize` fails is served (200), as it was before its limit's room was checked,
+/// not failed as the prefill's (502).
+#[tokio::test]
+async fn a_failing_probe_does_not_fail_a_request_with_a_limit() {
+    let c = connector();
+    let engines = Engines::notifying(64, Some(c.notifications().clone()));
+    engines.fail_tokenize(Some(Fault::Status(http::StatusCode::NOT_IMPLEMENTED)));
+    let prefill = Endpoint::new(P, Role::Prefill).unwrap();
+    let o = Orchestrator::builder(
+        StaticSource::new([prefill, decode()]),
+        Arc::clone(&engines),
+        c,
+    )
+    .build();
+    for body in [
+        r#"{"model":"m","prompt":[5,6],"max_tokens":7}"#,
+        r#"{"model":"m","prompt":[5,6],"max_tokens":7,"stream":true}"#,
+    ] {
+        let (status, answer) = served(&o, body).await;
+        assert_eq!(status, 200, "{body}: {answer}");
+    }
+    assert_eq!(engines.probes(P), 1, "{:?}", engines.uris());
+}
+
+/// The context-length probes asked of `engines` for `model`.
+fn probes_for(engines: &Engines, model: &str) -> usize {
+    let probe = format!(r#"{{"model":"{model}","prompt":"."}}"#);
+    engines
+        .seen()
+        .iter()
+        .filter(|(_, body)| body[..] == *probe.as_bytes())
+        .count()
+}
+
+/// One address may serve several models (a load balancer in front of engines of
+/// different models, each with its own `--max-model-len`): a length is remembered for
+/// the address and the model the request named, each model's asked once. The
+/// data-parallel ranks of one engine (`URL@RANK`) still share it.
+#[tokio::test]
+async fn each_model_behind_one_address_has_its_own_context_length() {
+    let c = connector();
+    let engines = Engines::serving(vec![("a", 16), ("b", 64)]);
+    let unlimited = |model: &str| {
+        let mut req = request(
+            Api::Chat,
+            &format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}]}}"#),
+        );
+        req.set_tokens(Some(Arc::from(vec![5_u32, 6])));
+        req
+    };
+    for (model, budget) in [("a", 13), ("b", 61), ("a", 13), ("b", 61)] {
+        let h = resolved(&c, P, &engines, &unlimited(model)).await.unwrap();
+        assert_eq!(decode_budget(&c, h).await, json!(budget), "{model}");
+    }
+    let h = resolved(&c, "http://p:7100@1", &engines, &unlimited("b"))
+        .await
+        .unwrap();
+    assert_eq!(decode_budget(&c, h).await, json!(61));
+    assert_eq!(
+        (probes_for(&engines, "a"), probes_for(&engines, "b")),
+        (1, 1),
+        "{:?}",
+        engines.uris()
+    );
 }

@@ -245,8 +245,9 @@ async fn a_limit_of_exactly_the_room_is_carried() {
         .unwrap();
     c.resolve(&mut h, &full).await.unwrap();
 
-    // A limit of 1 with the ids known: nothing asked.
-    let engines = Engines::new(EIGHT);
+    // A limit of 1 with the ids known: nothing asked (a connector of its own, which
+    // remembers no length it could use instead of asking).
+    let (c, engines) = (connector(), Engines::new(EIGHT));
     let mut h = c
         .prepare(
             &route(Some(receiver())),
@@ -258,4 +259,117 @@ async fn a_limit_of_exactly_the_room_is_carried() {
         .unwrap();
     c.resolve(&mut h, &engines).await.unwrap();
     assert!(engines.seen().is_empty(), "{:?}", engines.paths());
+}
+
+/// `body` for `api` served through `engines` with `ids` (as a token-reading router
+/// leaves them) when given, expected refused: the client's status and error body, as
+/// the HTTP layer renders them.
+async fn refusal(
+    engines: &Arc<Engines>,
+    api: Api,
+    body: &str,
+    ids: Option<Vec<u32>>,
+) -> (u16, Value) {
+    let o = orchestrator(engines);
+    let mut req = o
+        .request(api, HeaderMap::new(), &Bytes::from(body.to_owned()))
+        .unwrap();
+    if let Some(ids) = ids {
+        req.set_tokens(Some(Arc::from(ids)));
+    }
+    match o.serve(req).await {
+        Ok(resp) => panic!("{body}: served {}", resp.status()),
+        Err(e) => super::fault::rendered(&e),
+    }
+}
+
+/// One request [`the_refusal_is_vllms_error_for_the_request`] refuses: served with
+/// `ids` when given, its prefill's `/tokenize` answering `answer` (a context of 8), its
+/// `limit` past the room a prompt of `prompt` ids leaves.
+struct Refused {
+    api: Api,
+    body: &'static str,
+    ids: Option<Vec<u32>>,
+    answer: &'static str,
+    limit: u64,
+    prompt: u64,
+}
+
+/// The refusal carries what a vLLM engine answers for the request (its
+/// `_validate_input`; the simulator's vLLM path, `disagg-sim`'s `check_context`, writes
+/// the same): a 400 whose message is vLLM's word for word, nothing in front of it, and
+/// whose `param` is `max_tokens`. Its `type` and `code` are those the proxy gives every
+/// parameter it refuses on an engine's behalf (`invalid_request_error`,
+/// `invalid_parameter`: its check before routing answers a `min_tokens` below 0 so),
+/// not vLLM's exception name and status number.
+#[tokio::test]
+async fn the_refusal_is_vllms_error_for_the_request() {
+    let cases = [
+        Refused {
+            api: Api::Completions,
+            body: r#"{"model":"m","prompt":[5,6],"max_tokens":7}"#,
+            ids: None,
+            answer: EIGHT,
+            limit: 7,
+            prompt: 2,
+        },
+        Refused {
+            api: Api::Chat,
+            body: r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":7,"min_tokens":7}"#,
+            ids: Some(vec![5, 6]),
+            answer: EIGHT,
+            limit: 7,
+            prompt: 2,
+        },
+        Refused {
+            api: Api::Completions,
+            body: r#"{"model":"m","prompt":"hi","max_tokens":4}"#,
+            ids: None,
+            answer: r#"{"count":5,"max_model_len":8,"tokens":[1,2,3,4,5]}"#,
+            limit: 4,
+            prompt: 5,
+        },
+    ];
+    for Refused {
+        api,
+        body,
+        ids,
+        answer,
+        limit,
+        prompt,
+    } in cases
+    {
+        // What vLLM (and the simulator) answers for the same request.
+        let vllm = json!({"error": {
+            "message": too_large(limit, 8, prompt),
+            "type": "BadRequestError",
+            "param": "max_tokens",
+            "code": 400,
+        }});
+        let (status, got) = refusal(&Engines::new(answer), api, body, ids).await;
+        assert_eq!(status, 400, "{body}: {got}");
+        assert_eq!(got["error"]["message"], vllm["error"]["message"], "{body}");
+        assert_eq!(got["error"]["param"], vllm["error"]["param"], "{body}");
+        let want = json!({"error": {
+            "message": too_large(limit, 8, prompt),
+            "type": "invalid_request_error",
+            "param": "max_tokens",
+            "code": "invalid_parameter",
+        }});
+        assert_eq!(got, want, "{body}");
+    }
+    // The proxy's own refusal of a parameter, before routing: the same shape.
+    let body = r#"{"model":"m","prompt":[5,6],"max_tokens":7,"min_tokens":-1}"#;
+    let (status, got) = refusal(&Engines::new(EIGHT), Api::Completions, body, None).await;
+    assert_eq!(status, 400, "{got}");
+    let e = &got["error"];
+    assert_eq!(
+        (&e["type"], &e["param"], &e["code"]),
+        (
+            &json!("invalid_request_error"),
+            &json!("min_tokens"),
+            &json!("invalid_parameter")
+        ),
+        "{got}"
+    );
 }
