@@ -14,22 +14,6 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 const CHAT: &str = "/v1/chat/completions";
 
-async fn pair() -> (SimEngine, SimEngine) {
-    let prefill = SimEngine::start(SimConfig {
-        engine_id: Some("prefill-0".into()),
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap();
-    let decode = SimEngine::start(SimConfig {
-        engine_id: Some("decode-0".into()),
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap();
-    (prefill, decode)
-}
-
 fn chat(prompt: &str, max_tokens: u32) -> Value {
     json!({"model": "sim-model", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens})
 }

@@ -22,22 +22,6 @@ const PROMPT: &str = "the quick brown fox jumps over the lazy dog and then some 
     so that the prompt spans several blocks of sixteen tokens each which is what we want here \
     to test block lists";
 
-async fn pair() -> (SimEngine, SimEngine) {
-    let prefill = SimEngine::start(SimConfig {
-        engine_id: Some("prefill-0".into()),
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap();
-    let decode = SimEngine::start(SimConfig {
-        engine_id: Some("decode-0".into()),
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap();
-    (prefill, decode)
-}
-
 /// The prefill leg's `kv_transfer_params`, naming an engine the decode cannot pull
 /// from: its pull fails.
 async fn unpullable_params(p: &SimEngine) -> Value {

@@ -567,8 +567,9 @@ async fn decode_without_pushed_kv_computes_the_prompt_itself() {
     assert_eq!(stats.kv_missing, 0);
 }
 
-#[tokio::test]
-async fn kv_on_one_of_two_ranks_is_refused() {
+/// A prefill whose spec names only rank 0 of a two-rank decode: the decode, the
+/// prompt's ids, the prefill's answer and the blocks rank 0 holds once notified.
+async fn kv_on_rank_0_of_2() -> (SimEngine, Vec<u32>, Value, u64) {
     let mut proxy = proxy().await;
     let p = prefill(&proxy).await;
     let d = decode(2).await;
@@ -581,12 +582,16 @@ async fn kv_on_one_of_two_ranks_is_refused() {
     );
     let reply = post(p.addr(), COMPLETIONS, &prefill_body(&ids, half)).await;
     assert_eq!(reply.status, 200);
-    let first_tok = reply.json()["kv_transfer_params"]["first_tok"]
-        .as_u64()
-        .unwrap();
     assert_eq!(proxy.drain(Duration::from_millis(300)).await, ["half"]);
     let held = d.stats().blocks_held;
     assert!(held > 0);
+    (d, ids, reply.json(), held)
+}
+
+#[tokio::test]
+async fn kv_on_one_of_two_ranks_is_refused() {
+    let (d, ids, answer, held) = kv_on_rank_0_of_2().await;
+    let first_tok = answer["kv_transfer_params"]["first_tok"].as_u64().unwrap();
 
     let reply = decode_after(&d, &ids, first_tok, 3).await;
     assert_eq!(reply.status, 500);
@@ -607,24 +612,9 @@ async fn kv_on_one_of_two_ranks_is_refused() {
 /// event and `[DONE]`, or (completions) no chunk of the answer, only `[DONE]`.
 #[tokio::test]
 async fn streamed_decode_whose_kv_is_on_one_of_two_ranks_fails_in_the_stream() {
-    let mut proxy = proxy().await;
-    let p = prefill(&proxy).await;
-    let d = decode(2).await;
-    let ids = tokenize(PROMPT);
-    let half = spec_to(
-        "half",
-        "127.0.0.1",
-        vec![d.lmcache_init_ports()[0]],
-        vec![d.lmcache_alloc_ports()[0]],
-    );
-    let reply = post(p.addr(), COMPLETIONS, &prefill_body(&ids, half)).await;
-    assert_eq!(reply.status, 200);
-    let v = reply.json();
+    let (d, ids, v, held) = kv_on_rank_0_of_2().await;
     let first_text = v["choices"][0]["text"].as_str().unwrap().to_owned();
     let first_tok = v["kv_transfer_params"]["first_tok"].as_u64().unwrap();
-    assert_eq!(proxy.drain(Duration::from_millis(300)).await, ["half"]);
-    let held = d.stats().blocks_held;
-    assert!(held > 0);
 
     let mut prompt: Vec<u64> = ids.iter().map(|&i| u64::from(i)).collect();
     prompt.push(first_tok);

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
-use disagg_sim::{SimEngine, Stats};
+use disagg_sim::{SimConfig, SimEngine, Stats};
 use http::{HeaderMap, Request, Response};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
@@ -223,4 +223,21 @@ pub async fn post_with(
         Some(serde_json::to_vec(body).unwrap()),
     )
     .await
+}
+
+/// A vLLM NIXL prefill (`prefill-0`) and decode (`decode-0`) with the default settings.
+pub async fn pair() -> (SimEngine, SimEngine) {
+    let prefill = SimEngine::start(SimConfig {
+        engine_id: Some("prefill-0".into()),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let decode = SimEngine::start(SimConfig {
+        engine_id: Some("decode-0".into()),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    (prefill, decode)
 }
