@@ -22,8 +22,11 @@
 //!   finish reason (`unfinished.rs`: a completions decode whose KV load failed says
 //!   nothing else; a usage chunk before the finish is not relayed, and a completions
 //!   leg none of whose answer came is continued from the client's own prompt); when
-//!   not continued, the client's stream ends with the error, never a `[DONE]`.
-//!   After a plan's lead, its decode leg fails before its body (its
+//!   not continued, the proxy's error event ends the client's stream in place of a
+//!   `[DONE]`, except that an engine's own error event goes out as it wrote it with
+//!   the rest of its stream (usually its `[DONE]`), and a stream past an event over
+//!   `MAX_EVENT` (1 MiB) is relayed as it comes. After a plan's lead, its decode leg
+//!   fails before its body (its
 //!   connection, a 5xx, its head's budget). Not when the first leg's KV gate fails,
 //!   its decode refuses it (a 4xx), or the deadline passes before its body: the
 //!   stream ends with that error.
@@ -137,8 +140,8 @@ pub(crate) use plan::{Plan, ask_ids, plan};
 #[cfg(test)]
 use scan::parse_ids;
 use scan::{
-    FINISH_KEY, Held, IDS_KEY, IdsKey, event_end, has_finish, is_done, is_error, next_ids,
-    parse_ids_into, payload, trailing,
+    FINISH_KEY, Held, IDS_KEY, IdsKey, USAGE_KEY, event_end, has_finish, has_usage, is_done,
+    is_error, next_ids, parse_ids_into, payload, trailing,
 };
 use seen::Seen;
 use unfinished::Unfinished;
@@ -312,7 +315,7 @@ struct Scan {
     ids: memchr::memmem::Finder<'static>,
     /// `"finish_reason"` (set, to a string or SGLang's object: [`has_finish`]).
     finish: memchr::memmem::Finder<'static>,
-    /// `"usage":{` (a usage chunk).
+    /// `"usage"` (set to an object: a usage chunk, [`has_usage`]).
     usage: memchr::memmem::Finder<'static>,
 }
 
@@ -321,7 +324,7 @@ impl Scan {
         Scan {
             ids: memchr::memmem::Finder::new(IDS_KEY),
             finish: memchr::memmem::Finder::new(FINISH_KEY),
-            usage: memchr::memmem::Finder::new(b"\"usage\":{"),
+            usage: memchr::memmem::Finder::new(USAGE_KEY),
         }
     }
 }
@@ -571,7 +574,7 @@ impl Migrating {
         if has_finish(&self.scan.finish, data) {
             self.finished = true;
         }
-        if self.ctx.plan.usage && self.scan.usage.find(data).is_some() {
+        if self.ctx.plan.usage && has_usage(&self.scan.usage, data) {
             if self.early_usage(true) {
                 return Ok(());
             }
@@ -602,14 +605,15 @@ impl Migrating {
         let Some(data) = self.continued(event, out)? else {
             return Ok(());
         };
-        if self.on && self.prompt.is_none() {
-            // Continued from the client's prompt: the answer's first chunk is this leg's.
+        // Continued from the client's prompt: the answer's first chunk is this leg's.
+        let first = self.on && self.prompt.is_none();
+        if first {
             self.read_first(data);
         }
         let Some(head) = &self.head else {
             return Err(Reason::ErrorFrame);
         };
-        let Some(spliced) = splice_chunk(head, &self.ctx.plan, self.carried, data) else {
+        let Some(spliced) = splice_chunk(head, &self.ctx.plan, self.carried, first, data) else {
             return Err(Reason::ErrorFrame);
         };
         self.finished |= spliced.finished;

@@ -35,9 +35,11 @@ pub(crate) struct Plan {
     pub(super) body: JsonBody,
 }
 
-/// Sampling and stop parameters a continuation carries over from the client's body
-/// (the names vLLM's `CompletionRequest` shares with its `ChatCompletionRequest`).
-pub(super) const CARRIED: [&str; 21] = [
+/// Sampling and stop parameters a continuation carries over from the client's body,
+/// and its prefix-cache salt (`cache_salt`: a tenant's cached blocks are shared only
+/// with requests of the same salt): the names vLLM's `CompletionRequest` shares with
+/// its `ChatCompletionRequest`.
+pub(super) const CARRIED: [&str; 22] = [
     "model",
     "temperature",
     "top_p",
@@ -59,7 +61,14 @@ pub(super) const CARRIED: [&str; 21] = [
     "seed",
     "user",
     "priority",
+    "cache_salt",
 ];
+
+/// How a text prompt is tokenized (vLLM's `CompletionRequest` fields): carried only by
+/// a continuation from the client's own prompt, which the engine tokenizes again as
+/// the client asked. A token prompt is not tokenized, and would be cut by
+/// `truncate_prompt_tokens` (the generated ids are its end).
+const TOKENIZING: [&str; 2] = ["add_special_tokens", "truncate_prompt_tokens"];
 
 /// Fields whose state a token prompt cannot carry (structured output, guided decoding,
 /// several sequences, beam search, prompt echo, log probabilities, per-chunk usage): a
@@ -222,8 +231,8 @@ pub(crate) fn ask_ids(config: &MigrationConfig, req: &PdRequest, leg: &Leg) -> O
 /// The continuation's body: the client's sampling parameters, the token prompt `ids`
 /// (the prompt's and the generated ones), the token limits less what was generated,
 /// streamed with the new ids. With no `ids`, the prompt is the client's own, as it
-/// wrote it: a completions request none of whose answer came (nothing generated, its
-/// prompt's ids never told).
+/// wrote it and tokenized as it asked ([`TOKENIZING`]): a completions request none of
+/// whose answer came (nothing generated, its prompt's ids never told).
 pub(super) fn continuation_body(
     plan: &Plan,
     ids: Option<&[u32]>,
@@ -238,7 +247,14 @@ pub(super) fn continuation_body(
     }
     match (ids, plan.body.get_bytes("prompt")) {
         (Some(ids), _) => body.set("prompt", ids),
-        (None, Some(prompt)) => body.set_raw("prompt", prompt),
+        (None, Some(prompt)) => {
+            body.set_raw("prompt", prompt);
+            for key in TOKENIZING {
+                if let Some(v) = plan.body.get_bytes(key) {
+                    body.set_raw(key, v);
+                }
+            }
+        }
         // A completions request has a prompt (`plan` read it).
         (None, None) => {}
     }

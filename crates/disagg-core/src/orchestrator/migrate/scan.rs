@@ -99,14 +99,33 @@ pub(super) const FINISH_KEY: &[u8] = b"\"finish_reason\"";
 /// where the needle does match across an escaped quote (a text ending in
 /// `\"finish_reason`), it is a string's end, followed by no colon.
 pub(super) fn has_finish(key: &memchr::memmem::Finder<'_>, data: &[u8]) -> bool {
+    keyed(key, data, b"\"{")
+}
+
+/// The key of a chunk's usage.
+pub(super) const USAGE_KEY: &[u8] = b"\"usage\"";
+
+/// Whether `data` (a chunk's payload) holds a `"usage"` key set to an object (a usage
+/// chunk), not `null`, however the engine spaced its JSON; `key` finds [`USAGE_KEY`].
+/// A key inside a text is none, as for [`has_finish`].
+pub(super) fn has_usage(key: &memchr::memmem::Finder<'_>, data: &[u8]) -> bool {
+    keyed(key, data, b"{")
+}
+
+/// Whether the key `key` finds in `data` is followed by optional whitespace, `:`,
+/// optional whitespace and a value opening with one of the bytes `opens`.
+fn keyed(key: &memchr::memmem::Finder<'_>, data: &[u8], opens: &[u8]) -> bool {
     let mut at = 0;
     while let Some(hit) = key.find(&data[at..]) {
-        at += hit + FINISH_KEY.len();
+        at += hit + key.needle().len();
         let value = data[at..]
             .trim_ascii_start()
             .strip_prefix(b":")
             .map(<[u8]>::trim_ascii_start);
-        if let Some([b'"' | b'{', ..]) = value {
+        if value
+            .and_then(<[u8]>::first)
+            .is_some_and(|b| opens.contains(b))
+        {
             return true;
         }
     }

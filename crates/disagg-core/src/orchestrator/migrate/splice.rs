@@ -24,14 +24,23 @@ pub(super) struct Spliced {
 /// The chunk `data` of a continuation rewritten for the client: `head`'s `id`,
 /// `object`, `created` and `model`; each choice at index 0 with its text (a chat's as
 /// `delta.content`), finish and stop reasons, and its token ids when the client asked
-/// for them; a usage counting the original prompt once and the completion tokens of
-/// every leg (`carried` before this one). `None` when `data` is not one JSON value.
+/// for them, and the prompt's ids too when the chunk is the client's `first` of the
+/// answer (nothing came before the continuation: vLLM writes them on its first chunk,
+/// a chat's on the chunk, a completion's on its choice); a usage counting the original
+/// prompt once and the completion tokens of every leg (`carried` before this one).
+/// `None` when `data` is not one JSON value.
 ///
 /// The chunk is walked, never built as a `Value` (which costs up to ninety bytes per
 /// byte of an engine's `[{"":0},...]`): the values carried over are copied as the
 /// engine wrote them, the rest is skipped, and only the ids, the finish and the counts
 /// are read.
-pub(super) fn splice_chunk(head: &Head, plan: &Plan, carried: u64, data: &[u8]) -> Option<Spliced> {
+pub(super) fn splice_chunk(
+    head: &Head,
+    plan: &Plan,
+    carried: u64,
+    first: bool,
+    data: &[u8],
+) -> Option<Spliced> {
     let text = std::str::from_utf8(data).ok()?;
     // One JSON value (an object's walk checks all of it), never built.
     let [choices, usage] = if raw::is_object(text) {
@@ -53,17 +62,25 @@ pub(super) fn splice_chunk(head: &Head, plan: &Plan, carried: u64, data: &[u8]) 
     head.write(&mut chunk);
     let list = chunk.key("choices");
     list.push(b'[');
+    // The prompt's ids the client asked for, on its first chunk of the answer (the
+    // continuation's, on its choice).
+    let ask = first && plan.client_ids;
+    let mut prompt = None;
     if let Some(choices) = choices.filter(|c| raw::is_list(c.get())) {
-        let mut first = true;
+        let mut once = true;
         // A list within a valid value: its elements always visit.
         let _ = raw::elements(choices.get(), |c| {
-            if !std::mem::take(&mut first) {
+            if !std::mem::take(&mut once) {
                 list.push(b',');
             }
-            write_choice(c, plan, list, &mut spliced);
+            let ids = write_choice(c, plan, list, &mut spliced, ask);
+            prompt = prompt.or(ids);
         });
     }
     list.push(b']');
+    if let Some(ids) = prompt.filter(|_| plan.chat) {
+        chunk.raw("prompt_token_ids", ids.get().as_bytes());
+    }
     if let Some(usage) = usage {
         if !plan.usage {
             return Some(spliced);
@@ -88,13 +105,27 @@ pub(super) fn splice_chunk(head: &Head, plan: &Plan, carried: u64, data: &[u8]) 
 /// index 0: its `text`, `finish_reason` and `stop_reason` copied as written, its
 /// `token_ids` read into `spliced` (and written, when the client asked for them and
 /// they are ids; `null` when they are not). A choice that is not an object has an
-/// empty text and no finish.
-fn write_choice(c: &RawValue, plan: &Plan, out: &mut Vec<u8>, spliced: &mut Spliced) {
-    let [text, finish, ids, stop] = raw::members_named(
+/// empty text and no finish. With `prompt`, its `prompt_token_ids` are returned, and
+/// written on a completion's choice (a chat's go on its chunk).
+fn write_choice<'a>(
+    c: &'a RawValue,
+    plan: &Plan,
+    out: &mut Vec<u8>,
+    spliced: &mut Spliced,
+    prompt: bool,
+) -> Option<&'a RawValue> {
+    let [text, finish, ids, stop, prompt_ids] = raw::members_named(
         c.get(),
-        ["text", "finish_reason", "token_ids", "stop_reason"],
+        [
+            "text",
+            "finish_reason",
+            "token_ids",
+            "stop_reason",
+            "prompt_token_ids",
+        ],
     )
-    .unwrap_or([None; 4]);
+    .unwrap_or([None; 5]);
+    let prompt_ids = prompt_ids.filter(|p| prompt && p.get() != "null");
     let finish = finish.map_or("null", RawValue::get);
     spliced.finished |= finish != "null";
     let ids = ids.filter(|ids| ids_of(ids, &mut spliced.ids));
@@ -116,7 +147,11 @@ fn write_choice(c: &RawValue, plan: &Plan, out: &mut Vec<u8>, spliced: &mut Spli
     if plan.client_ids {
         o.raw("token_ids", ids.map_or("null", RawValue::get).as_bytes());
     }
+    if let Some(p) = prompt_ids.filter(|_| !plan.chat) {
+        o.raw("prompt_token_ids", p.get().as_bytes());
+    }
     o.close();
+    prompt_ids
 }
 
 /// Writes a usage object of `prompt` and `completion` tokens into `out`.

@@ -31,6 +31,32 @@ fn ids_are_found_in_choices_and_at_the_top_never_in_text() {
     assert_eq!(parse_ids(b"[]"), Some(vec![]));
 }
 
+/// A usage chunk's usage is an object, however spaced (`"usage": {`, as a JSON
+/// serializer with spaces writes it); `null` and a key inside a text are none.
+#[test]
+fn a_usage_is_found_however_spaced_never_in_text() {
+    let key = memchr::memmem::Finder::new(scan::USAGE_KEY);
+    let has = |data: &str| scan::has_usage(&key, data.as_bytes());
+    for set in [
+        r#"{"choices":[],"usage":{"prompt_tokens":3}}"#,
+        r#"{"choices": [], "usage": {"prompt_tokens": 3}}"#,
+        "{\"usage\" :\n\t{}}",
+        r#"{"choices":[{"text":"\"usage\""}],"usage":{}}"#,
+    ] {
+        assert!(has(set), "{set}");
+    }
+    for unset in [
+        r#"{"choices":[],"usage":null}"#,
+        r#"{"choices":[], "usage" : null}"#,
+        r#"{"choices":[{"text":"\"usage\":{}"}]}"#,
+        r#"{"choices":[{"text":"say \"usage","finish_reason":null}]}"#,
+        r#"{"choices":[],"usage":"#,
+        "",
+    ] {
+        assert!(!has(unset), "{unset}");
+    }
+}
+
 /// A set finish reason is a string (vLLM's) or an object (SGLang's), however spaced;
 /// `null`, a key inside a text, and a text ending in the key's name are none.
 #[test]
@@ -281,6 +307,31 @@ fn a_continuation_carries_sampling_and_reduced_limits() {
         body,
         serde_json::json!({"model": "m", "temperature": 0.5, "stop": ["."], "prompt": [5, 6, 7],
             "max_tokens": 7, "min_tokens": 1, "stream": true, "return_token_ids": true})
+    );
+}
+
+/// Every continuation keeps the client's prefix-cache isolation (`cache_salt`); one
+/// whose prompt is ids does not carry the client's text-tokenizing settings, which
+/// would truncate or re-read the ids (only a continuation from the client's own text
+/// prompt does).
+#[test]
+fn a_token_continuation_carries_the_cache_salt_not_the_tokenizing_settings() {
+    let req = request(
+        Api::Completions,
+        serde_json::json!({"model": "m", "prompt": "x", "stream": true, "max_tokens": 10,
+            "cache_salt": "tenant-a", "add_special_tokens": false, "truncate_prompt_tokens": 2}),
+    );
+    let on = MigrationConfig {
+        limit: 1,
+        ..MigrationConfig::default()
+    };
+    let p = plan(&on, &req).unwrap();
+    let body: serde_json::Value =
+        serde_json::from_slice(&continuation_body(&p, Some(&[5, 6, 7]), 1, Some(9))).unwrap();
+    assert_eq!(
+        body,
+        serde_json::json!({"model": "m", "cache_salt": "tenant-a", "prompt": [5, 6, 7],
+            "max_tokens": 9, "stream": true, "return_token_ids": true})
     );
 }
 
@@ -556,7 +607,7 @@ fn a_continuation_chunk_is_walked_and_what_it_carries_is_copied_as_written() {
     let data = format!(
         r#"{{"id":"cmpl-2","object":"text_completion","created":9,"model":"other","kv_transfer_params":{big},"choices":[{{"index":3,"text":"caf\u00e9 1.0000","logprobs":null,"finish_reason":"length","stop_reason":{stop},"token_ids":[ 7 , 8 ],"prompt_token_ids":[1e400]}}],"usage":{{"prompt_tokens":15,"completion_tokens":3,"total_tokens":18,"x":1e400}}}}"#
     );
-    let s = splice_chunk(&head, &plan, 5, data.as_bytes()).expect("one JSON value");
+    let s = splice_chunk(&head, &plan, 5, false, data.as_bytes()).expect("one JSON value");
     assert!(s.finished && s.usage);
     assert_eq!(s.ids, [7, 8]);
     let json = String::from_utf8(s.json.expect("a chunk")).unwrap();
@@ -618,7 +669,7 @@ fn a_continuation_chunk_is_rewritten_as_a_parse_of_it_was() {
     let header =
         serde_json::json!({"id": "x", "object": "text_completion", "created": 7, "model": "m"});
     let chunk = |plan: &Plan, data: &str| {
-        let s = splice_chunk(&head, plan, 2, data.as_bytes())?;
+        let s = splice_chunk(&head, plan, 2, false, data.as_bytes())?;
         let json = s.json.map(|j| serde_json::from_slice::<Value>(&j).unwrap());
         Some((json, s.ids, s.finished, s.usage))
     };
@@ -707,6 +758,7 @@ fn a_continuation_chunk_is_rewritten_as_a_parse_of_it_was() {
             &head,
             &completions,
             0,
+            false,
             b"{\"choices\":[{\"text\":\"\xff\"}]}"
         )
         .is_none()

@@ -382,3 +382,130 @@ async fn a_finished_stream_spaced_as_any_json_ends_as_it_came() {
     );
     assert_settled(&orch);
 }
+
+/// A completions client whose prompt's tokenizing settings, cache salt and own ids are
+/// set, with a first decode whose KV load fails (no answer): its continuation on D2,
+/// from the client's prompt, answers "B" (the prompt's ids on its first chunk's choice)
+/// then "C" to the end. The client's stream read, and the body D2 was sent.
+async fn salted_completion_continued() -> (Vec<Value>, Value) {
+    let fake = Fake::new();
+    let told = Told::default();
+    let rest = Reply::sse()
+        .frame(
+            ms(0),
+            r#"data: {"id":"cmpl-2","object":"text_completion","created":2,"model":"m","choices":[{"index":0,"text":"B","logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":[1,2,3],"token_ids":[8]}]}"#.to_owned() + "\n\n",
+        )
+        .frame(ms(0), continued("C", 9, Some("length")))
+        .frame(ms(0), DONE);
+    fake.always(P1, COMPLETIONS, prefill_answer())
+        .on(D1, COMPLETIONS, completion_kv_failed(false))
+        .on(D2, COMPLETIONS, rest);
+    let orch = listened(&fake, continuing(1, true), told.clone());
+    let client = r#"{"model":"m","prompt":"hi","stream":true,"max_tokens":2,"add_special_tokens":false,"truncate_prompt_tokens":5,"cache_salt":"tenant-a","return_token_ids":true}"#;
+    let req = orch
+        .request(Api::Completions, HeaderMap::new(), &Bytes::from(client))
+        .unwrap();
+    let mut body = serve(&orch, req).await.unwrap().into_body();
+    let text = read_all(&mut body).await;
+    drop(body);
+    let events = payloads(&text);
+    assert_eq!(events.last(), Some(&json!("[DONE]")), "{text}");
+    let sent = fake.calls_to(D2);
+    let [sent] = &sent[..] else {
+        panic!("one continuation: {sent:?}")
+    };
+    assert_eq!(told.summary().delivery, Delivery::Complete);
+    assert_settled(&orch);
+    (events, sent.json())
+}
+
+/// A continuation from the client's own text prompt tokenizes it as the client asked
+/// (`add_special_tokens`, `truncate_prompt_tokens`) and keeps the client's prefix-cache
+/// isolation (`cache_salt`).
+#[tokio::test(start_paused = true)]
+async fn a_continuation_from_the_clients_prompt_tokenizes_and_salts_it_as_the_client_asked() {
+    let (_, sent) = salted_completion_continued().await;
+    assert_eq!(
+        (
+            &sent["prompt"],
+            &sent["add_special_tokens"],
+            &sent["truncate_prompt_tokens"],
+            &sent["cache_salt"]
+        ),
+        (&json!("hi"), &json!(false), &json!(5), &json!("tenant-a")),
+        "{sent}"
+    );
+}
+
+/// When nothing of the answer came before the continuation, its first chunk is the
+/// client's first: a client that asked for `return_token_ids` gets the prompt's ids on
+/// it, as from one engine.
+#[tokio::test(start_paused = true)]
+async fn the_clients_first_chunk_from_a_continuation_carries_the_prompts_ids() {
+    let (events, _) = salted_completion_continued().await;
+    let chunks: Vec<&Value> = events.iter().filter(|e| e.is_object()).collect();
+    let first = chunks.first().expect("a chunk");
+    assert_eq!(
+        (
+            &first["choices"][0]["text"],
+            &first["choices"][0]["prompt_token_ids"],
+            &first["choices"][0]["token_ids"]
+        ),
+        (&json!("B"), &json!([1, 2, 3]), &json!([8])),
+        "{events:?}"
+    );
+    assert!(
+        chunks[1..]
+            .iter()
+            .all(|c| c["choices"][0].get("prompt_token_ids").is_none()),
+        "{events:?}"
+    );
+}
+
+/// A healthy tracked first leg asked for usage runs to its end: its finish, then its
+/// usage chunk, relayed once, then `[DONE]`; no continuation.
+#[tokio::test(start_paused = true)]
+async fn a_healthy_first_legs_usage_chunk_is_relayed_once_after_its_finish() {
+    let fake = Fake::new();
+    let told = Told::default();
+    let [first, second] = first_leg();
+    let last = r#"data: {"id":"c-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"B"},"token_ids":[8],"finish_reason":"stop"}]}"#.to_owned() + "\n\n";
+    let usage = r#"data: {"id":"c-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":3,"total_tokens":5,"completion_tokens":2}}"#.to_owned() + "\n\n";
+    fake.on(P1, CHAT, prefill_answer()).on(
+        D1,
+        CHAT,
+        Reply::sse()
+            .frame(ms(0), first)
+            .frame(ms(0), second)
+            .frame(ms(0), last)
+            .frame(ms(0), usage)
+            .frame(ms(0), DONE),
+    );
+    let orch = listened(&fake, continuing(1, true), told.clone());
+    // The client's chat asks for usage (`CLIENT`).
+    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    let text = read_all(&mut body).await;
+    drop(body);
+    let events = payloads(&text);
+    let n = events.len();
+    assert!(n >= 3, "{text}");
+    assert_eq!(events[n - 1], json!("[DONE]"), "{text}");
+    assert_eq!(
+        events[n - 2]["usage"],
+        json!({"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2}),
+        "{text}"
+    );
+    assert_eq!(
+        events[n - 3]["choices"][0]["finish_reason"],
+        "stop",
+        "{text}"
+    );
+    let usages = events.iter().filter(|e| e["usage"].is_object()).count();
+    assert_eq!(usages, 1, "{text}");
+    assert!(fake.calls_to(D2).is_empty(), "no continuation");
+    assert_eq!(
+        (told.summary().delivery, told.summary().migrations),
+        (Delivery::Complete, 0)
+    );
+    assert_settled(&orch);
+}
