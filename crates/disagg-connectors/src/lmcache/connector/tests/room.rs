@@ -85,6 +85,20 @@ async fn served(
     body: &str,
     ids: Option<Vec<u32>>,
 ) -> (u16, String) {
+    match serve(engines, api, body, ids).await {
+        Ok(resp) => (resp.status().as_u16(), String::new()),
+        Err(e) => (e.http().status.as_u16(), error_chain(&e as &PdError)),
+    }
+}
+
+/// `body` for `api` served through `engines` (with `ids`, as a token-reading router
+/// leaves them, when given): the orchestrator's answer.
+async fn serve(
+    engines: &Arc<Engines>,
+    api: Api,
+    body: &str,
+    ids: Option<Vec<u32>>,
+) -> Result<http::Response<disagg_core::orchestrator::PdBody>, PdError> {
     let o = orchestrator(engines);
     let mut req = o
         .request(api, HeaderMap::new(), &Bytes::from(body.to_owned()))
@@ -92,10 +106,7 @@ async fn served(
     if let Some(ids) = ids {
         req.set_tokens(Some(Arc::from(ids)));
     }
-    match o.serve(req).await {
-        Ok(resp) => (resp.status().as_u16(), String::new()),
-        Err(e) => (e.http().status.as_u16(), error_chain(&e as &PdError)),
-    }
+    o.serve(req).await
 }
 
 /// vLLM's words for a limit of `limit` the context of `context` tokens cannot hold
@@ -270,14 +281,7 @@ async fn refusal(
     body: &str,
     ids: Option<Vec<u32>>,
 ) -> (u16, Value) {
-    let o = orchestrator(engines);
-    let mut req = o
-        .request(api, HeaderMap::new(), &Bytes::from(body.to_owned()))
-        .unwrap();
-    if let Some(ids) = ids {
-        req.set_tokens(Some(Arc::from(ids)));
-    }
-    match o.serve(req).await {
+    match serve(engines, api, body, ids).await {
         Ok(resp) => panic!("{body}: served {}", resp.status()),
         Err(e) => super::fault::rendered(&e),
     }
