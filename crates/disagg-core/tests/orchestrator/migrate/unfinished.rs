@@ -47,24 +47,109 @@ fn usage_chunk(prompt: u32, completion: u32) -> String {
     ) + "\n\n"
 }
 
-/// The client's stream read to its end: its data, and whether it ended in an error.
-async fn read_all(body: &mut PdBody) -> String {
+/// A completions continuation's first chunk, "B" (token 8), the prompt's ids on its
+/// choice, then "C" (token 9) to its finish; no `[DONE]` yet.
+fn from_the_prompt() -> Reply {
+    Reply::sse()
+        .frame(
+            ms(0),
+            r#"data: {"id":"cmpl-2","object":"text_completion","created":2,"model":"m","choices":[{"index":0,"text":"B","logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":[1,2,3],"token_ids":[8]}]}"#.to_owned() + "\n\n",
+        )
+        .frame(ms(0), continued("C", 9, Some("length")))
+}
+
+/// The chat's legs when every decode's KV load fails: P1 prefills the chat and every
+/// continuation, D1 answers [`chat_kv_failed`], D2 the continuation
+/// [`completion_kv_failed`] with its usage chunk.
+fn kv_failing_chat(fake: &Fake) -> &Fake {
+    fake.on(P1, CHAT, prefill_answer())
+        .always(P1, COMPLETIONS, prefill_answer())
+        .on(D1, CHAT, chat_kv_failed())
+        .on(D2, COMPLETIONS, completion_kv_failed(true))
+}
+
+/// A completions request's legs when its first decode's KV load fails: P1 prefills it
+/// (and every continuation), D1 answers [`completion_kv_failed`] (`usage` as there).
+fn kv_failing_completion(fake: &Fake, usage: bool) -> &Fake {
+    fake.always(P1, COMPLETIONS, prefill_answer())
+        .on(D1, COMPLETIONS, completion_kv_failed(usage))
+}
+
+/// A healthy chat: P1 prefills it, D1 streams [`first_leg`], then `tail`, then `[DONE]`.
+fn healthy<'a>(fake: &'a Fake, tail: &[String]) -> &'a Fake {
+    let reply = first_leg()
+        .into_iter()
+        .chain(tail.iter().cloned())
+        .fold(Reply::sse(), |reply, frame| reply.frame(ms(0), frame));
+    fake.on(P1, CHAT, prefill_answer())
+        .on(D1, CHAT, reply.frame(ms(0), DONE))
+}
+
+/// A streamed completions request of the client's (`client`, its JSON body).
+fn completion(orch: &Orchestrator, client: &str) -> PdRequest {
+    orch.request(
+        Api::Completions,
+        HeaderMap::new(),
+        &Bytes::from(client.to_owned()),
+    )
+    .unwrap()
+}
+
+/// The client's stream for `req`, read to its end (an error frame kept as
+/// `<error: …>`): its text, and its events' JSON payloads (`[DONE]` as the string).
+async fn streamed(orch: &Orchestrator, req: PdRequest) -> (String, Vec<Value>) {
+    let mut body = serve(orch, req).await.unwrap().into_body();
     let mut text = String::new();
-    while let Some(frame) = next(body).await {
+    while let Some(frame) = next(&mut body).await {
         match frame {
             Ok(frame) => text.push_str(&frame),
             Err(e) => text.push_str(&format!("<error: {e}>")),
         }
     }
-    text
-}
-
-/// The events' JSON payloads (`[DONE]` as the string).
-fn payloads(text: &str) -> Vec<Value> {
-    text.split("\n\n")
+    drop(body);
+    let events = text
+        .split("\n\n")
         .filter_map(|e| e.trim().strip_prefix("data: "))
         .map(|p| serde_json::from_str(p).unwrap_or_else(|_| Value::String(p.to_owned())))
-        .collect()
+        .collect();
+    (text, events)
+}
+
+/// The stream ended as an answer does: `[DONE]` last, no error event among `events`.
+fn assert_clean_end(events: &[Value], what: &str, text: &str) {
+    assert_eq!(events.last(), Some(&json!("[DONE]")), "{what}: {text}");
+    assert!(
+        events.iter().all(|e| e.get("error").is_none()),
+        "{what}: {text}"
+    );
+}
+
+/// One usage chunk among `events`, counting `prompt` and `completion` tokens.
+fn assert_one_usage(events: &[Value], prompt: u32, completion: u32, what: &str, text: &str) {
+    let usages: Vec<&Value> = events.iter().filter(|e| e["usage"].is_object()).collect();
+    let [usage] = &usages[..] else {
+        panic!("{what}: one usage chunk: {text}")
+    };
+    assert_eq!(
+        (
+            &usage["usage"]["prompt_tokens"],
+            &usage["usage"]["completion_tokens"]
+        ),
+        (&json!(prompt), &json!(completion)),
+        "{what}: {text}"
+    );
+}
+
+/// A healthy stream ran on its first decode alone: no continuation sent, the request
+/// complete with no migration, nothing held.
+fn assert_untouched(fake: &Fake, told: &Told, orch: &Orchestrator) {
+    assert!(fake.calls_to(D2).is_empty(), "no continuation");
+    let summary = told.summary();
+    assert_eq!(
+        (summary.delivery, summary.migrations),
+        (Delivery::Complete, 0)
+    );
+    assert_settled(orch);
 }
 
 /// Every decode's KV load fails, migration allowed once: the chat's first leg sends the
@@ -78,16 +163,10 @@ async fn a_continuation_that_ends_with_no_answer_and_no_migration_left_fails_the
         let what = format!("decode-only: {decode_only}");
         let fake = Fake::new();
         let told = Told::default();
-        fake.on(P1, CHAT, prefill_answer())
-            .always(P1, COMPLETIONS, prefill_answer())
-            .on(D1, CHAT, chat_kv_failed())
-            .on(D2, COMPLETIONS, completion_kv_failed(true));
+        kv_failing_chat(&fake);
         let orch = listened(&fake, continuing(1, decode_only), told.clone());
-        let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
-        let text = read_all(&mut body).await;
-        drop(body);
+        let (text, events) = streamed(&orch, chat(&orch)).await;
         assert_eq!(fake.calls_to(D2).len(), 1, "{what}: one continuation");
-        let events = payloads(&text);
         let last = events.last().unwrap_or_else(|| panic!("{what}: {text}"));
         assert_eq!(
             last["error"]["code"], "decode_stream_failed",
@@ -126,18 +205,14 @@ async fn a_continuation_that_ends_with_no_answer_and_no_migration_left_fails_the
 async fn a_continuation_that_ends_with_no_answer_is_continued_while_the_limit_allows() {
     let fake = Fake::new();
     let told = Told::default();
-    fake.on(P1, CHAT, prefill_answer())
-        .always(P1, COMPLETIONS, prefill_answer())
-        .on(D1, CHAT, chat_kv_failed())
-        .on(D2, COMPLETIONS, completion_kv_failed(true))
-        .on(
-            D3,
-            COMPLETIONS,
-            Reply::sse()
-                .frame(ms(0), continued("C", 9, Some("length")))
-                .frame(ms(0), usage_chunk(3, 1))
-                .frame(ms(0), DONE),
-        );
+    kv_failing_chat(&fake).on(
+        D3,
+        COMPLETIONS,
+        Reply::sse()
+            .frame(ms(0), continued("C", 9, Some("length")))
+            .frame(ms(0), usage_chunk(3, 1))
+            .frame(ms(0), DONE),
+    );
     let orch = over(
         &fake,
         &[P1],
@@ -147,12 +222,8 @@ async fn a_continuation_that_ends_with_no_answer_is_continued_while_the_limit_al
     )
     .listener(told.clone())
     .build();
-    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
-    let text = read_all(&mut body).await;
-    drop(body);
-    let events = payloads(&text);
-    assert_eq!(events.last(), Some(&json!("[DONE]")), "{text}");
-    assert!(events.iter().all(|e| e.get("error").is_none()), "{text}");
+    let (text, events) = streamed(&orch, chat(&orch)).await;
+    assert_clean_end(&events, "two continuations", &text);
     let finished: Vec<&Value> = events
         .iter()
         .filter(|e| e["choices"][0]["finish_reason"].is_string())
@@ -161,18 +232,7 @@ async fn a_continuation_that_ends_with_no_answer_is_continued_while_the_limit_al
     assert_eq!(finished[0]["choices"][0]["delta"]["content"], "C", "{text}");
     // One usage chunk, D3's (not D2's, which came before any finish), counting the
     // prompt's 3 tokens and the one generated.
-    let usage: Vec<&Value> = events.iter().filter(|e| e["usage"].is_object()).collect();
-    let [usage] = &usage[..] else {
-        panic!("one usage chunk: {text}")
-    };
-    assert_eq!(
-        (
-            &usage["usage"]["prompt_tokens"],
-            &usage["usage"]["completion_tokens"]
-        ),
-        (&json!(3), &json!(1)),
-        "{text}"
-    );
+    assert_one_usage(&events, 3, 1, "two continuations", &text);
     let summary = told.summary();
     assert_eq!(
         (summary.delivery, summary.outcome, summary.migrations),
@@ -194,20 +254,13 @@ async fn a_completions_first_leg_that_ends_with_no_answer_is_continued() {
         let what = format!("usage: {usage}, decode-only: {decode_only}");
         let fake = Fake::new();
         let told = Told::default();
-        let rest = Reply::sse()
-            .frame(
-                ms(0),
-                r#"data: {"id":"cmpl-2","object":"text_completion","created":2,"model":"m","choices":[{"index":0,"text":"B","logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":[1,2,3],"token_ids":[8]}]}"#.to_owned() + "\n\n",
-            )
-            .frame(ms(0), continued("C", 9, Some("length")));
+        let rest = from_the_prompt();
         let rest = if usage {
             rest.frame(ms(0), usage_chunk(3, 2))
         } else {
             rest
         };
-        fake.always(P1, COMPLETIONS, prefill_answer())
-            .on(D1, COMPLETIONS, completion_kv_failed(usage))
-            .on(D2, COMPLETIONS, rest.frame(ms(0), DONE));
+        kv_failing_completion(&fake, usage).on(D2, COMPLETIONS, rest.frame(ms(0), DONE));
         let orch = listened(&fake, continuing(1, decode_only), told.clone());
         let options = if usage {
             r#","stream_options":{"include_usage":true}"#
@@ -216,18 +269,8 @@ async fn a_completions_first_leg_that_ends_with_no_answer_is_continued() {
         };
         let client =
             format!(r#"{{"model":"m","prompt":"hi","stream":true,"max_tokens":2{options}}}"#);
-        let req = orch
-            .request(Api::Completions, HeaderMap::new(), &Bytes::from(client))
-            .unwrap();
-        let mut body = serve(&orch, req).await.unwrap().into_body();
-        let text = read_all(&mut body).await;
-        drop(body);
-        let events = payloads(&text);
-        assert_eq!(events.last(), Some(&json!("[DONE]")), "{what}: {text}");
-        assert!(
-            events.iter().all(|e| e.get("error").is_none()),
-            "{what}: {text}"
-        );
+        let (text, events) = streamed(&orch, completion(&orch, &client)).await;
+        assert_clean_end(&events, &what, &text);
         let chunks: Vec<&Value> = events.iter().filter(|e| e.is_object()).collect();
         let answer: String = chunks
             .iter()
@@ -242,25 +285,13 @@ async fn a_completions_first_leg_that_ends_with_no_answer_is_continued() {
             );
             assert!(c.get("prompt_token_ids").is_none(), "{what}: {text}");
         }
-        let usages: Vec<&Value> = chunks
-            .iter()
-            .copied()
-            .filter(|c| c["usage"].is_object())
-            .collect();
         if usage {
-            let [u] = &usages[..] else {
-                panic!("{what}: one usage chunk: {text}")
-            };
-            assert_eq!(
-                (
-                    &u["usage"]["prompt_tokens"],
-                    &u["usage"]["completion_tokens"]
-                ),
-                (&json!(3), &json!(2)),
+            assert_one_usage(&events, 3, 2, &what, &text);
+        } else {
+            assert!(
+                events.iter().all(|e| !e["usage"].is_object()),
                 "{what}: {text}"
             );
-        } else {
-            assert!(usages.is_empty(), "{what}: {text}");
         }
         // The continuation asks for the whole answer, from the client's prompt.
         let sent = fake.calls_to(D2);
@@ -293,19 +324,12 @@ async fn a_completions_first_leg_that_ends_with_no_answer_is_continued() {
 async fn a_completions_stream_with_no_answer_and_no_decode_left_fails() {
     let fake = Fake::new();
     let told = Told::default();
-    fake.always(P1, COMPLETIONS, prefill_answer())
-        .on(D1, COMPLETIONS, completion_kv_failed(false));
+    kv_failing_completion(&fake, false);
     let orch = over(&fake, &[P1], &[D1], VllmNixl::new(), continuing(1, true))
         .listener(told.clone())
         .build();
     let client = r#"{"model":"m","prompt":"hi","stream":true,"max_tokens":2}"#;
-    let req = orch
-        .request(Api::Completions, HeaderMap::new(), &Bytes::from(client))
-        .unwrap();
-    let mut body = serve(&orch, req).await.unwrap().into_body();
-    let text = read_all(&mut body).await;
-    drop(body);
-    let events = payloads(&text);
+    let (text, events) = streamed(&orch, completion(&orch, client)).await;
     let [last] = &events[..] else {
         panic!("the error event alone: {text}")
     };
@@ -332,11 +356,8 @@ async fn a_continuation_that_ends_early_with_no_migration_left_ends_with_the_err
         Reply::sse().frame(ms(0), continued("B", 8, None)),
     );
     let orch = listened(&fake, continuing(1, true), told.clone());
-    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
-    let text = read_all(&mut body).await;
-    drop(body);
+    let (text, events) = streamed(&orch, chat(&orch)).await;
     assert!(text.contains("\"B\""), "{text}");
-    let events = payloads(&text);
     assert_eq!(
         events.last().map(|e| &e["error"]["code"]),
         Some(&json!("decode_stream_failed")),
@@ -357,30 +378,13 @@ async fn a_continuation_that_ends_early_with_no_migration_left_ends_with_the_err
 async fn a_finished_stream_spaced_as_any_json_ends_as_it_came() {
     let fake = Fake::new();
     let told = Told::default();
-    let [first, second] = first_leg();
     let last = r#"data: {"id": "c-1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [{"index": 0, "delta": {"content": "B"}, "token_ids": [8], "finish_reason" :	"stop"}]}"#.to_owned() + "\n\n";
-    fake.on(P1, CHAT, prefill_answer()).on(
-        D1,
-        CHAT,
-        Reply::sse()
-            .frame(ms(0), first)
-            .frame(ms(0), second)
-            .frame(ms(0), last)
-            .frame(ms(0), DONE),
-    );
+    healthy(&fake, &[last]);
     let orch = listened(&fake, continuing(1, true), told.clone());
-    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
-    let text = read_all(&mut body).await;
-    drop(body);
+    let (text, _) = streamed(&orch, chat(&orch)).await;
     assert!(text.ends_with(DONE), "{text}");
     assert!(!text.contains("error"), "{text}");
-    assert!(fake.calls_to(D2).is_empty(), "no continuation");
-    let summary = told.summary();
-    assert_eq!(
-        (summary.delivery, summary.migrations),
-        (Delivery::Complete, 0)
-    );
-    assert_settled(&orch);
+    assert_untouched(&fake, &told, &orch);
 }
 
 /// A completions client whose prompt's tokenizing settings, cache salt and own ids are
@@ -390,26 +394,11 @@ async fn a_finished_stream_spaced_as_any_json_ends_as_it_came() {
 async fn salted_completion_continued() -> (Vec<Value>, Value) {
     let fake = Fake::new();
     let told = Told::default();
-    let rest = Reply::sse()
-        .frame(
-            ms(0),
-            r#"data: {"id":"cmpl-2","object":"text_completion","created":2,"model":"m","choices":[{"index":0,"text":"B","logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":[1,2,3],"token_ids":[8]}]}"#.to_owned() + "\n\n",
-        )
-        .frame(ms(0), continued("C", 9, Some("length")))
-        .frame(ms(0), DONE);
-    fake.always(P1, COMPLETIONS, prefill_answer())
-        .on(D1, COMPLETIONS, completion_kv_failed(false))
-        .on(D2, COMPLETIONS, rest);
+    kv_failing_completion(&fake, false).on(D2, COMPLETIONS, from_the_prompt().frame(ms(0), DONE));
     let orch = listened(&fake, continuing(1, true), told.clone());
     let client = r#"{"model":"m","prompt":"hi","stream":true,"max_tokens":2,"add_special_tokens":false,"truncate_prompt_tokens":5,"cache_salt":"tenant-a","return_token_ids":true}"#;
-    let req = orch
-        .request(Api::Completions, HeaderMap::new(), &Bytes::from(client))
-        .unwrap();
-    let mut body = serve(&orch, req).await.unwrap().into_body();
-    let text = read_all(&mut body).await;
-    drop(body);
-    let events = payloads(&text);
-    assert_eq!(events.last(), Some(&json!("[DONE]")), "{text}");
+    let (text, events) = streamed(&orch, completion(&orch, client)).await;
+    assert_clean_end(&events, "salted", &text);
     let sent = fake.calls_to(D2);
     let [sent] = &sent[..] else {
         panic!("one continuation: {sent:?}")
@@ -468,25 +457,12 @@ async fn the_clients_first_chunk_from_a_continuation_carries_the_prompts_ids() {
 async fn a_healthy_first_legs_usage_chunk_is_relayed_once_after_its_finish() {
     let fake = Fake::new();
     let told = Told::default();
-    let [first, second] = first_leg();
     let last = r#"data: {"id":"c-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"B"},"token_ids":[8],"finish_reason":"stop"}]}"#.to_owned() + "\n\n";
     let usage = r#"data: {"id":"c-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":3,"total_tokens":5,"completion_tokens":2}}"#.to_owned() + "\n\n";
-    fake.on(P1, CHAT, prefill_answer()).on(
-        D1,
-        CHAT,
-        Reply::sse()
-            .frame(ms(0), first)
-            .frame(ms(0), second)
-            .frame(ms(0), last)
-            .frame(ms(0), usage)
-            .frame(ms(0), DONE),
-    );
+    healthy(&fake, &[last, usage]);
     let orch = listened(&fake, continuing(1, true), told.clone());
     // The client's chat asks for usage (`CLIENT`).
-    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
-    let text = read_all(&mut body).await;
-    drop(body);
-    let events = payloads(&text);
+    let (text, events) = streamed(&orch, chat(&orch)).await;
     let n = events.len();
     assert!(n >= 3, "{text}");
     assert_eq!(events[n - 1], json!("[DONE]"), "{text}");
@@ -500,12 +476,6 @@ async fn a_healthy_first_legs_usage_chunk_is_relayed_once_after_its_finish() {
         "stop",
         "{text}"
     );
-    let usages = events.iter().filter(|e| e["usage"].is_object()).count();
-    assert_eq!(usages, 1, "{text}");
-    assert!(fake.calls_to(D2).is_empty(), "no continuation");
-    assert_eq!(
-        (told.summary().delivery, told.summary().migrations),
-        (Delivery::Complete, 0)
-    );
-    assert_settled(&orch);
+    assert_one_usage(&events, 3, 2, "a healthy first leg", &text);
+    assert_untouched(&fake, &told, &orch);
 }
