@@ -22,6 +22,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
+mod common;
+use common::read_message;
+
 /// The most of one engine's answer the proxy keeps (`FAN_OUT_ANSWER_LIMIT`).
 const CEILING: usize = 64 * 1024;
 
@@ -196,45 +199,6 @@ async fn huge(
     }
     let cut = chunked && s.write_all(b"0\r\n\r\n").await.is_err();
     Report { written, cut }
-}
-
-/// One HTTP message (head and a `content-length` or chunked body) read from `s`;
-/// `None` when the connection ends first.
-async fn read_message(s: &mut TcpStream) -> Option<Vec<u8>> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 16 * 1024];
-    let end = loop {
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-        let n = s.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-    let length: usize = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0);
-    let chunked = head.contains("transfer-encoding: chunked");
-    loop {
-        let body = &buf[end..];
-        let done = if chunked {
-            body.ends_with(b"0\r\n\r\n")
-        } else {
-            body.len() >= length
-        };
-        if done {
-            return Some(buf);
-        }
-        match s.read(&mut chunk).await {
-            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-            _ => return Some(buf),
-        }
-    }
 }
 
 /// A proxy with the admin routes open over a prefill and a decode engine, each engine

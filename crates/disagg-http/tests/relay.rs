@@ -18,6 +18,9 @@ use disagg_sim::{SimConfig, SimEngine};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+mod common;
+use common::read_message;
+
 /// An internal address in the engine's handoff, which no client may see.
 const INTERNAL: &str = "10.0.0.7";
 
@@ -72,7 +75,7 @@ async fn raw_engine() -> SocketAddr {
         while let Ok((mut s, _)) = listener.accept().await {
             tokio::spawn(async move {
                 while let Some(request) = read_message(&mut s).await {
-                    let (head, body) = answer(&request);
+                    let (head, body) = answer(&String::from_utf8_lossy(&request));
                     let out = format!(
                         "HTTP/1.1 200 OK\r\n{head}content-length: {}\r\n\r\n{body}",
                         body.len()
@@ -85,45 +88,6 @@ async fn raw_engine() -> SocketAddr {
         }
     });
     addr
-}
-
-/// One HTTP message (head and a `content-length` or chunked body) read from `s`, as
-/// text; `None` when the connection ends first.
-async fn read_message(s: &mut TcpStream) -> Option<String> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 16 * 1024];
-    let end = loop {
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-        let n = s.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-    let length: usize = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0);
-    let chunked = head.contains("transfer-encoding: chunked");
-    loop {
-        let body = &buf[end..];
-        let done = if chunked {
-            body.ends_with(b"0\r\n\r\n")
-        } else {
-            body.len() >= length
-        };
-        if done {
-            return Some(String::from_utf8_lossy(&buf).into_owned());
-        }
-        match s.read(&mut chunk).await {
-            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-            _ => return Some(String::from_utf8_lossy(&buf).into_owned()),
-        }
-    }
 }
 
 /// A proxy with a simulated prefill and the raw engine as its decode.
