@@ -25,6 +25,13 @@ use crate::support::{TempDir, eventually, ids, wait_for};
 /// was seen because of the TTL (or the bound) under test.
 const SEEN: Duration = Duration::from_secs(10);
 
+/// The merged source of one DNS source over `config`, its first list not waited for.
+async fn merged_over(config: DnsConfig) -> MergedSource {
+    MergedSource::builder()
+        .source(dns::spawn(config).await.unwrap())
+        .build()
+}
+
 /// The dnsmasq binary, or `None` (after saying so) when the test must be skipped.
 fn dnsmasq_binary() -> Option<PathBuf> {
     for dir in ["/usr/sbin", "/usr/bin", "/sbin", "/bin", "/usr/local/sbin"] {
@@ -250,9 +257,7 @@ async fn a_names_addresses_follow_its_ttl_and_a_removed_name_has_no_engines() {
         vec![prefill, target("decode.disagg.test:8200", Role::Decode)],
     );
     config.max_refresh = Duration::from_secs(60);
-    let merged = MergedSource::builder()
-        .source(dns::spawn(config).await.unwrap())
-        .build();
+    let merged = merged_over(config).await;
     merged.synced().await;
     let first = merged.snapshot();
     assert_eq!(
@@ -321,9 +326,7 @@ async fn an_encode_name_gives_encoder_endpoints_and_no_prefill() {
             target("decode.disagg.test:8200", Role::Decode),
         ],
     );
-    let merged = MergedSource::builder()
-        .source(dns::spawn(config).await.unwrap())
-        .build();
+    let merged = merged_over(config).await;
     merged.synced().await;
     let set = merged.snapshot();
     assert_eq!(
@@ -347,9 +350,7 @@ async fn the_refresh_bound_caps_a_long_ttl() {
     };
     let mut config = config(&server, vec![target("d.disagg.test:8200", Role::Decode)]);
     config.max_refresh = Duration::from_secs(1);
-    let merged = MergedSource::builder()
-        .source(dns::spawn(config).await.unwrap())
-        .build();
+    let merged = merged_over(config).await;
     merged.synced().await;
     assert_eq!(
         ids(&merged.snapshot(), Role::Decode),
@@ -381,9 +382,7 @@ async fn srv_records_give_the_lowest_prioritys_targets_and_ports() {
         vec![target("_vllm._tcp.disagg.test", Role::Decode)],
     );
     config.max_refresh = Duration::from_secs(60);
-    let merged = MergedSource::builder()
-        .source(dns::spawn(config).await.unwrap())
-        .build();
+    let merged = merged_over(config).await;
     merged.synced().await;
     assert_eq!(
         ids(&merged.snapshot(), Role::Decode),
@@ -442,9 +441,7 @@ async fn a_name_past_the_endpoint_ceiling_is_refused_as_it_is_resolved() {
     config.max_endpoints = 5;
     config.max_refresh = Duration::from_secs(1);
     config.min_refresh = Duration::from_millis(200);
-    let merged = MergedSource::builder()
-        .source(dns::spawn(config).await.unwrap())
-        .build();
+    let merged = merged_over(config).await;
     merged.synced().await;
     let before = merged.snapshot();
     assert_eq!(ids(&before, Role::Decode).len(), 4);
@@ -482,9 +479,7 @@ async fn a_failed_lookup_keeps_the_last_good_engines() {
     config.max_refresh = Duration::from_secs(1);
     config.min_refresh = Duration::from_millis(200);
     config.timeout = Duration::from_millis(200);
-    let merged = MergedSource::builder()
-        .source(dns::spawn(config).await.unwrap())
-        .build();
+    let merged = merged_over(config).await;
     merged.synced().await;
     let before = merged.snapshot();
     assert_eq!(ids(&before, Role::Decode), ["http://127.0.0.51:8200"]);
@@ -603,9 +598,7 @@ async fn srv_records_naming_one_target_many_times_resolve_it_once() {
     };
     let mut config = config(&server, vec![target("_rep._tcp.disagg.test", Role::Decode)]);
     config.max_endpoints = 5;
-    let merged = MergedSource::builder()
-        .source(dns::spawn(config).await.unwrap())
-        .build();
+    let merged = merged_over(config).await;
     tokio::time::timeout(SEEN, merged.synced())
         .await
         .expect("the name's first list");
@@ -633,9 +626,7 @@ async fn srv_targets_past_the_cap_are_cut() {
     };
     let mut config = config(&server, vec![target("_cap._tcp.disagg.test", Role::Decode)]);
     config.max_refresh = Duration::from_secs(60);
-    let merged = MergedSource::builder()
-        .source(dns::spawn(config).await.unwrap())
-        .build();
+    let merged = merged_over(config).await;
     tokio::time::timeout(Duration::from_secs(60), merged.synced())
         .await
         .expect("the name's first list");
@@ -664,9 +655,7 @@ async fn an_srv_answer_over_tcp_does_not_hold_its_targets_lookups_for_the_timeou
     config.timeout = Duration::from_secs(10);
     // `spawn` returns once the first refresh is done (or its bounded wait is over).
     let merged = tokio::time::timeout(Duration::from_secs(4), async {
-        let merged = MergedSource::builder()
-            .source(dns::spawn(config).await.unwrap())
-            .build();
+        let merged = merged_over(config).await;
         merged.synced().await;
         merged
     })
@@ -798,9 +787,7 @@ async fn srv_targets_are_looked_up_together() {
     config.timeout = Duration::from_secs(60);
     config.max_refresh = Duration::from_secs(60);
     let resolved = tokio::time::timeout(SEEN, async {
-        let merged = MergedSource::builder()
-            .source(dns::spawn(config).await.unwrap())
-            .build();
+        let merged = merged_over(config).await;
         merged.synced().await;
         merged
     })
@@ -858,9 +845,7 @@ async fn a_name_that_never_answers_holds_no_other_names_refresh_back() {
     config.min_refresh = Duration::from_millis(200);
     config.max_refresh = Duration::from_secs(1);
     config.first_list_wait = Duration::from_millis(500);
-    let merged = MergedSource::builder()
-        .source(dns::spawn(config).await.unwrap())
-        .build();
+    let merged = merged_over(config).await;
     merged.synced().await;
     assert_eq!(
         ids(&merged.snapshot(), Role::Decode),
@@ -1011,9 +996,7 @@ async fn through_zone(
     config.timeout = Duration::from_secs(1);
     config.min_refresh = Duration::from_millis(200);
     config.max_refresh = Duration::from_secs(1);
-    let merged = MergedSource::builder()
-        .source(dns::spawn(config).await.unwrap())
-        .build();
+    let merged = merged_over(config).await;
     tokio::time::timeout(SEEN, merged.synced())
         .await
         .expect("the name's first list");
@@ -1161,9 +1144,7 @@ async fn an_address_both_families_answer_is_one_engine() {
             target("_both._tcp.disagg.test", Role::Decode),
         ],
     );
-    let merged = MergedSource::builder()
-        .source(dns::spawn(config).await.unwrap())
-        .build();
+    let merged = merged_over(config).await;
     tokio::time::timeout(SEEN, merged.synced())
         .await
         .expect("the names' first list");
