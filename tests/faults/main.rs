@@ -284,6 +284,62 @@ async fn wrong_side_channel_host_really_fails_the_decode() {
     assert_eq!(stack.d().stats().remote_decodes, 0);
 }
 
+/// The same wrong host under a streamed chat: the decode has sent its 200 head, so it
+/// tells the failed KV load in its stream (vLLM 0.33: role chunk, error event, `[DONE]`).
+/// The client gets the engine's stream as it was written, and the request is told as
+/// what it was, not as a served answer: its attempt the decode's failure (passive health
+/// and the request metrics hear it), its delivery broken, error `decode_error_event`.
+#[tokio::test]
+async fn a_kv_load_failure_streamed_by_the_decode_is_told_as_its_failure() {
+    let wrong = SimConfig {
+        advertised_host: "127.0.0.2".into(),
+        ..Default::default()
+    };
+    let heard = Heard::default();
+    let stack = Stack::builder()
+        .prefill(vec![wrong])
+        .listener(heard.clone())
+        .build()
+        .await;
+    let a = post(&stack.url, "/v1/chat/completions", chat("x", 4, true), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let events = a.events();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let error: serde_json::Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("KV transfer failed")),
+        "{events:?}"
+    );
+    assert_eq!(stack.d().stats().kv_pull_failures, 1);
+    let summary = heard.first(1).await.remove(0);
+    assert_eq!(
+        (summary.delivery, summary.error),
+        (
+            disagg_core::outcome::Delivery::Broken,
+            Some("decode_error_event")
+        )
+    );
+    let reports = heard.reports();
+    let [report] = &reports[..] else {
+        panic!("one attempt: {reports:?}")
+    };
+    use disagg_core::outcome::{LegOutcome, Outcome};
+    assert_eq!(
+        (report.outcome, report.prefill, report.decode),
+        (
+            Outcome::DecodeFailed,
+            LegOutcome::Answered,
+            LegOutcome::Failed
+        )
+    );
+}
+
 #[tokio::test]
 async fn decode_failing_mid_stream_ends_with_an_sse_error_event() {
     let stack = Stack::builder()

@@ -5,7 +5,6 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use disagg_core::outcome::{Listener, Summary};
 use disagg_http::metrics::Metrics;
 use opentelemetry::Value as OtelValue;
 use opentelemetry::trace::SpanKind;
@@ -35,32 +34,6 @@ impl SpanProcessor for Spans {
     }
 }
 
-/// The summaries of the requests, kept.
-#[derive(Debug, Clone, Default)]
-struct Summaries(Arc<Mutex<Vec<Summary>>>);
-
-impl Summaries {
-    /// The first request's summary, once it ended (within 2 s).
-    async fn first(&self) -> Summary {
-        assert!(
-            eventually(Duration::from_secs(2), || !self
-                .0
-                .lock()
-                .unwrap()
-                .is_empty())
-            .await,
-            "no request ended"
-        );
-        self.0.lock().unwrap()[0].clone()
-    }
-}
-
-impl Listener for Summaries {
-    fn on_request(&self, summary: &Summary) {
-        self.0.lock().unwrap().push(summary.clone());
-    }
-}
-
 fn attr<'a>(span: &'a SpanData, key: &str) -> Option<&'a OtelValue> {
     span.attributes
         .iter()
@@ -77,7 +50,7 @@ fn text(span: &SpanData, key: &str) -> String {
 #[tokio::test]
 async fn a_migration_has_a_span_a_summary_record_and_a_time_lost() {
     let spans = Spans::default();
-    let summaries = Summaries::default();
+    let summaries = Heard::default();
     let metrics = Metrics::new("nixl");
     let m = metrics.clone();
     let s = Stack::builder()
@@ -99,7 +72,7 @@ async fn a_migration_has_a_span_a_summary_record_and_a_time_lost() {
 
     // The summary has the migration: from the decode that broke to the other one, the
     // 5 tokens carried, and the time the stream stood still.
-    let summary = summaries.first().await;
+    let summary = summaries.first(1).await.remove(0);
     assert_eq!(summary.migrations, 1);
     assert_eq!(summary.migrated.len(), 1, "{:?}", summary.migrated);
     let mig = &summary.migrated[0];
@@ -179,7 +152,7 @@ async fn a_migration_has_a_span_a_summary_record_and_a_time_lost() {
 
 #[tokio::test]
 async fn an_unbroken_stream_has_no_migration() {
-    let summaries = Summaries::default();
+    let summaries = Heard::default();
     let metrics = Metrics::new("nixl");
     let m = metrics.clone();
     let s = Stack::builder()
@@ -192,7 +165,7 @@ async fn an_unbroken_stream_has_no_migration() {
     let body = chat_body("tell me a long story", 8, json!({}));
     let a = post(&s.url, "/v1/chat/completions", body, &[]).await;
     assert_one_answer(&a, true);
-    let summary = summaries.first().await;
+    let summary = summaries.first(1).await.remove(0);
     assert!(summary.migrated.is_empty());
     let text = get(&s.url, "/metrics").await.text();
     assert!(
@@ -207,7 +180,7 @@ async fn an_unbroken_stream_has_no_migration() {
 #[tokio::test]
 async fn a_migrated_requests_spans_each_have_an_id_of_their_own() {
     let spans = Spans::default();
-    let summaries = Summaries::default();
+    let summaries = Heard::default();
     let s = Stack::builder()
         .decode(vec![dying(6), dying(6)])
         .config(|c| {
@@ -222,7 +195,7 @@ async fn a_migrated_requests_spans_each_have_an_id_of_their_own() {
     let a = post(&s.url, "/v1/chat/completions", body, &[]).await;
     assert_eq!(a.status, 200);
     assert_one_answer(&a, true);
-    let summary = summaries.first().await;
+    let summary = summaries.first(1).await.remove(0);
     assert_eq!(summary.migrated.len(), 1, "{:?}", summary.migrated);
     let all = spans.0.lock().unwrap().clone();
     let names = |name: &str| all.iter().filter(|s| s.name == name).count();

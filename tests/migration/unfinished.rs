@@ -4,10 +4,7 @@
 //! migration on, the stream is continued on another decode; when it cannot be, the
 //! client's stream ends with the proxy's error event and the request is a failure.
 
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
-
-use disagg_core::outcome::{Delivery, Listener, Summary};
+use disagg_core::outcome::Delivery;
 
 use super::*;
 
@@ -20,35 +17,13 @@ fn unreachable_kv() -> SimConfig {
     }
 }
 
-/// The requests' summaries, kept.
-#[derive(Debug, Clone, Default)]
-struct Summaries(Arc<Mutex<Vec<Summary>>>);
-
-impl Summaries {
-    /// The first `n` summaries, once that many requests ended (within 2 s).
-    async fn first(&self, n: usize) -> Vec<Summary> {
-        let all = || self.0.lock().unwrap().len() >= n;
-        assert!(
-            eventually(Duration::from_secs(2), all).await,
-            "requests not ended"
-        );
-        self.0.lock().unwrap()[..n].to_vec()
-    }
-}
-
-impl Listener for Summaries {
-    fn on_request(&self, summary: &Summary) {
-        self.0.lock().unwrap().push(summary.clone());
-    }
-}
-
 /// Every decode fails its KV load, migration allowed once: the chat's first leg ends
 /// with the engine's error event, its continuation (through a fresh prefill) fails its
 /// KV load too and says nothing before `[DONE]`. The client's stream ends with the
 /// proxy's error event, and the request is a failure.
 #[tokio::test]
 async fn a_migrated_chat_whose_every_decode_fails_its_kv_load_ends_with_an_error_event() {
-    let summaries = Summaries::default();
+    let summaries = Heard::default();
     let s = Stack::builder()
         .prefill(vec![unreachable_kv()])
         .decode(vec![SimConfig::default(), SimConfig::default()])
@@ -102,7 +77,7 @@ async fn a_migrated_chat_whose_every_decode_fails_its_kv_load_ends_with_an_error
 /// engine gives, one usage chunk when it asked for one.
 #[tokio::test]
 async fn a_completions_stream_whose_first_decode_fails_its_kv_load_is_finished_on_another() {
-    let summaries = Summaries::default();
+    let summaries = Heard::default();
     let s = Stack::builder()
         .prefill(vec![unreachable_kv()])
         .decode(vec![SimConfig::default(), SimConfig::default()])

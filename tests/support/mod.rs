@@ -682,3 +682,38 @@ pub fn held_dead_url() -> (String, tokio::net::TcpSocket) {
     let url = format!("http://{}", socket.local_addr().expect("bound address"));
     (url, socket)
 }
+
+/// What the orchestrator's listeners heard: every request's summary and every
+/// attempt's report, kept in the order told.
+#[derive(Debug, Clone, Default)]
+pub struct Heard {
+    summaries: Arc<std::sync::Mutex<Vec<disagg_core::outcome::Summary>>>,
+    reports: Arc<std::sync::Mutex<Vec<disagg_core::outcome::Report>>>,
+}
+
+impl Heard {
+    /// The first `n` summaries, once that many requests ended (within 2 s).
+    pub async fn first(&self, n: usize) -> Vec<disagg_core::outcome::Summary> {
+        let all = || self.summaries.lock().unwrap().len() >= n;
+        assert!(
+            eventually(Duration::from_secs(2), all).await,
+            "requests not ended"
+        );
+        self.summaries.lock().unwrap()[..n].to_vec()
+    }
+
+    /// The reports told so far.
+    pub fn reports(&self) -> Vec<disagg_core::outcome::Report> {
+        self.reports.lock().unwrap().clone()
+    }
+}
+
+impl disagg_core::outcome::Listener for Heard {
+    fn on_request(&self, summary: &disagg_core::outcome::Summary) {
+        self.summaries.lock().unwrap().push(summary.clone());
+    }
+
+    fn on_report(&self, report: &disagg_core::outcome::Report) {
+        self.reports.lock().unwrap().push(report.clone());
+    }
+}

@@ -443,9 +443,9 @@ impl Inner {
         let body = EngineBody::watch(
             body,
             (guard, permit),
-            config.decode_idle_timeout,
-            deadline,
+            (config.decode_idle_timeout, deadline),
             (route, verdict),
+            sse && parts.status.is_success(),
         );
         let body = PdBody::forward(body.boxed(), sse).scrubbed(&parts.headers);
         strip(&mut parts.headers);

@@ -37,7 +37,9 @@ const ROUTES: [&str; 2] = ["/v1/embeddings", "/invocations"];
 /// own, as FastAPI answers `/version/` with one to `/version`), `do-break` (a 200 whose
 /// chunked body breaks off after one chunk), `do-hold` (a 200 whose chunked body stops
 /// after one chunk and is held open; the connection's close is sent on the channel),
-/// else a 200 with a JSON body. Connections are kept alive, as the engines' servers keep them.
+/// `do-event-500` and `do-event-400` (a whole 200 event stream: a chunk, an error event
+/// of that code, its payload's start cut between two chunks, and `[DONE]`, as vLLM
+/// streams a failed KV load), else a 200 with a JSON body. Connections are kept alive, as the engines' servers keep them.
 async fn raw_engine() -> (String, mpsc::UnboundedReceiver<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -67,6 +69,22 @@ async fn raw_engine() -> (String, mpsc::UnboundedReceiver<()>) {
                             .to_owned()
                     } else if request.contains("do-break") || request.contains("do-hold") {
                         chunked.to_owned()
+                    } else if let Some(code) = ["500", "400"]
+                        .into_iter()
+                        .find(|c| request.contains(&format!("do-event-{c}")))
+                    {
+                        let error = format!(
+                            "data: {{\"error\": {{\"message\": \"Internal server error\", \"code\": {code}}}}}\n\n"
+                        );
+                        let (a, b) = error.split_at(10);
+                        let chunks = ["data: {\"choices\":[]}\n\n", a, b, "data: [DONE]\n\n"];
+                        let mut out = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                                       transfer-encoding: chunked\r\n\r\n"
+                            .to_owned();
+                        for c in chunks {
+                            out += &format!("{:x}\r\n{c}\r\n", c.len());
+                        }
+                        out + "0\r\n\r\n"
                     } else {
                         whole("200 OK", r#"{"object":"list","data":[]}"#)
                     };
@@ -479,5 +497,37 @@ async fn direct_and_fanned_out_routes_blame_no_engine_for_the_clients_upload() {
         assert_eq!(status, 200, "{path}");
         assert!(heads.try_recv().is_ok(), "{path}: the engine was not asked");
         assert_eq!(health.state(&ep), Some(EndpointHealth::Healthy), "{path}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_event_in_a_whole_stream_counts_as_its_code_says() {
+    // A 200 event stream that carries the engine's own error event is no served answer:
+    // with a 5xx code it is the engine's failure (one ejects it here), with a 4xx code
+    // the request's (its answer counts as a 4xx head's does). The stream reaches the
+    // client whole either way.
+    for path in ROUTES {
+        let (engine, _) = raw_engine().await;
+        let (addr, source) = proxy(&[&engine], 1, OrchestratorConfig::default()).await;
+        let ep = endpoint(&source, &engine);
+        let health = source.health();
+        let (status, text) = post(addr, path, "do-event-400").await;
+        assert_eq!(status, 200, "{path}: {text}");
+        assert!(
+            text.contains("\"code\": 400") && text.contains("[DONE]"),
+            "{path}: {text}"
+        );
+        assert_eq!(health.state(&ep), Some(EndpointHealth::Healthy), "{path}");
+        let (status, text) = post(addr, path, "do-event-500").await;
+        assert_eq!(status, 200, "{path}: {text}");
+        assert!(
+            text.contains("\"code\": 500") && text.contains("[DONE]"),
+            "{path}: {text}"
+        );
+        assert!(
+            ejected(health.state(&ep)),
+            "{path}: {:?} after an error event",
+            health.state(&ep)
+        );
     }
 }

@@ -10,6 +10,7 @@
 //! | [`write_json_str`] | a JSON string, copied between quotes when nothing needs escaping |
 //! | [`BodyError`], [`InvalidParam`] | why a body could not be used |
 //! | [`openai_error_body`] | OpenAI's error body, the shape every error answer and error event takes |
+//! | [`ErrorEvents`] | an engine's in-band error event, spotted in its stream as it is relayed |
 //!
 //! Nothing here knows the orchestrator or any engine: `disagg-core` builds its
 //! `PdRequest` on [`JsonBody`] (and re-exports this crate as `disagg_core::json`), and
@@ -30,6 +31,7 @@
 
 mod body;
 mod error;
+mod event;
 pub mod lax;
 pub mod raw;
 
@@ -38,3 +40,4 @@ pub use body::{
     write_json_str,
 };
 pub use error::{BodyError, InvalidParam, openai_error_body};
+pub use event::{ErrorEvent, ErrorEvents, MAX_ERROR_EVENT};

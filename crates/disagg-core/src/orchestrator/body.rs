@@ -39,6 +39,8 @@ use crate::outcome::{Delivery, LegOutcome, Outcome, Report, Summary};
 use crate::policy::Permit;
 use crate::transport::BoxBody;
 
+use disagg_json::ErrorEvents;
+
 use super::answer::{Scrubber, scrubbed_kind};
 use super::report::{Reporter, decode_end, prefill_end, unsent_or_abandoned};
 use super::respond::LateMarks;
@@ -83,6 +85,9 @@ pub(crate) struct Finish {
     pub(crate) bytes: u64,
     /// Where a migrated stream moved to (`None`: migration off for this request).
     pub(crate) moved: Option<Arc<super::migrate::Moved>>,
+    /// The watch for an error event the decode writes in its stream (an event stream
+    /// relayed as it is: a migrating one reads its own events).
+    pub(crate) errors: Option<ErrorEvents>,
 }
 
 impl Finish {
@@ -99,18 +104,22 @@ impl Finish {
             first_byte: None,
             bytes: 0,
             moved: None,
+            errors: None,
         }
     }
 
-    /// A data frame of `len` bytes is going to the client.
-    fn sent(&mut self, len: usize) {
+    /// A data frame, `data`, is going to the client.
+    fn sent(&mut self, data: &[u8]) {
+        if let Some(w) = self.errors.as_mut() {
+            w.watch(data);
+        }
         if self.summary.is_none() {
             return;
         }
         if self.first_byte.is_none() {
             self.first_byte = Some(now());
         }
-        self.bytes += len as u64;
+        self.bytes += data.len() as u64;
     }
 
     /// A chunk came from the decode (or from the proxy's own lead before it).
@@ -174,13 +183,36 @@ impl Finish {
             // abandoned.
             report.prefill = LegOutcome::Answered;
         }
+        // The error event the decode wrote in a stream that ended as its engine ended it
+        // (a success as far as the relay goes).
+        let in_band = match (outcome, report.outcome, report.decode) {
+            (Outcome::Success, Outcome::Success, LegOutcome::Answered) => {
+                self.errors.as_mut().and_then(ErrorEvents::finish)
+            }
+            _ => None,
+        };
         match outcome {
             // The attempt stays as the head told it: a success (the decode leg answered,
             // or not sent: the prefill's answer was the whole answer), the decode's
             // failure (a 5xx), or a refusal passed through whole, the prefill's (no
             // decode answered: its leg not sent, or dropped when both were sent at once)
             // or the decode's own (a 4xx), whatever a router learns from a success.
-            Outcome::Success => {}
+            //
+            // Unless the decode answered 200 and then an error in its stream: the
+            // engine's failure (vLLM's failed KV load, an exception in its stream
+            // generator), or the request's when the event's code is a 4xx (its leg
+            // answered, as for a 4xx head). Which engine lost the KV is not said: the
+            // decode is blamed, as a migrating stream blames it.
+            Outcome::Success => {
+                if let Some(event) = in_band {
+                    report.decode = if event.is_client_error() {
+                        LegOutcome::Answered
+                    } else {
+                        LegOutcome::Failed
+                    };
+                    report.outcome = decode_end(report.decode);
+                }
+            }
             Outcome::PrefillFailed | Outcome::PrefillRefused => {
                 let prefill = report.route.prefill.as_deref().map(|p| p.id());
                 // A prefill that had answered (a lead stream's gate failed after it)
@@ -257,6 +289,8 @@ impl Finish {
         let broke = applied.broke || applied.prefill_broke;
         let outcome = if broke && outcome == Outcome::Success {
             Outcome::DecodeFailed
+        } else if in_band.is_some() {
+            report.outcome
         } else {
             outcome
         };
@@ -292,6 +326,8 @@ impl Finish {
                     // The prefill's refusal, passed through, broke on its way: its
                     // answer could not be relayed (no decode stream failed).
                     None if report.outcome == Outcome::PrefillRefused => "prefill_failed",
+                    // The decode's own error event, relayed as it came.
+                    None if in_band.is_some() => "decode_error_event",
                     None => "decode_stream_failed",
                 });
             }
@@ -542,6 +578,18 @@ impl PdBody {
         timer: Option<StreamTimer>,
     ) -> Self {
         let mut body = Self::forward(inner, sse);
+        let mut finish = finish;
+        // An event stream relayed as it is: its error event, if the decode writes one,
+        // is the attempt's end (a migrating stream reads its events itself).
+        if sse
+            && finish.moved.is_none()
+            && finish
+                .report
+                .as_ref()
+                .is_some_and(|(_, r)| r.outcome == Outcome::Success)
+        {
+            finish.errors = Some(ErrorEvents::new());
+        }
         body.finish = Some(Box::new(finish));
         body.prefill = prefill.map(SyncWrapper::new);
         body.timer = timer.map(SyncWrapper::new);
@@ -592,7 +640,7 @@ impl Body for PdBody {
             let end = self.is_end_stream();
             let this = self.project();
             if let Some(f) = this.finish.as_mut() {
-                f.sent(data.len());
+                f.sent(data);
             }
             if end {
                 *this.done = true;

@@ -449,6 +449,7 @@ impl Inner {
             first_byte: None,
             bytes: 0,
             moved,
+            errors: None,
         };
         let returned = returned.filter(|_| status.is_success());
         let body = PdBody::stream(body, sse, finish, pending, timer)

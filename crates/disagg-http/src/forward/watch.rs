@@ -12,6 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use disagg_core::endpoint::InFlightGuard;
 use disagg_core::error::BoxError;
+use disagg_core::json::ErrorEvents;
 use disagg_core::outcome::{Delivery, LegOutcome};
 use disagg_core::policy::Permit;
 use disagg_core::transport::BoxBody;
@@ -26,9 +27,11 @@ use crate::tap::{Hooks, Tap};
 /// listeners as an engine call ([`Orchestrator::engine_call`]; passive health hears
 /// it): [`LegOutcome::Failed`] when the engine could not be reached, gave no head in
 /// time after the client's body was in, answered 5xx or something unusable of its own
-/// (not a redirect: the client's path was wrong), or broke off or went silent in its
-/// answer; [`LegOutcome::Answered`] when its answer ended, which counts for the engine
-/// only when it [`served`](Self::served) generation. Nothing when the client left, its
+/// (not a redirect: the client's path was wrong), broke off or went silent in its
+/// answer, or wrote an error event of its own in a 2xx event stream (one whose code is
+/// not a 4xx); [`LegOutcome::Answered`] when its answer ended (an error event with a
+/// 4xx code ends it as a 4xx head does), which counts for the engine only when it
+/// [`served`](Self::served) generation. Nothing when the client left, its
 /// body failed, or the request's deadline passed: no fault of the engine's.
 pub(super) struct Verdict {
     pub(super) orchestrator: Orchestrator,
@@ -65,15 +68,19 @@ pub(super) struct EngineWatch {
     /// Told when the answer ends or breaks; dropped untold when the client leaves or
     /// the deadline passes. `None` when it was told at the head (a 5xx).
     verdict: Option<Verdict>,
+    /// The watch for an error event the engine writes in a 2xx event stream.
+    errors: Option<ErrorEvents>,
 }
 
 impl EngineBody {
+    /// `body`, watched; `events` when it is a 2xx event stream (an error event the
+    /// engine writes in it is then how the answer ends).
     pub(super) fn watch<B>(
         body: B,
         places: (InFlightGuard, Option<Permit>),
-        idle: Option<Duration>,
-        deadline: Option<tokio::time::Instant>,
+        (idle, deadline): (Option<Duration>, Option<tokio::time::Instant>),
         (route, verdict): (Option<RouteEnd>, Option<Verdict>),
+        events: bool,
     ) -> Self
     where
         B: Body<Data = Bytes> + Send + Sync + 'static,
@@ -83,6 +90,7 @@ impl EngineBody {
             _places: places,
             idle: idle.map(|d| (d, Box::pin(tokio::time::sleep(d)))),
             deadline: deadline.map(|d| Box::pin(tokio::time::sleep_until(d))),
+            errors: (events && (route.is_some() || verdict.is_some())).then(ErrorEvents::new),
             route,
             verdict,
         };
@@ -108,15 +116,27 @@ impl EngineWatch {
     /// The answer ended as `delivery` says, through the engine's doing: the summary
     /// and passive health are told (the engine answered when it is complete, failed
     /// when it broke).
+    ///
+    /// An answer that ended complete but carried the engine's error event is broken;
+    /// the engine failed unless the event's code is a 4xx.
     fn ended(&mut self, delivery: Delivery) {
+        let event = match delivery {
+            Delivery::Complete => self.errors.as_mut().and_then(ErrorEvents::finish),
+            _ => None,
+        };
+        let (delivery, outcome) = match (delivery, event) {
+            (Delivery::Complete, Some(e)) if e.is_client_error() => {
+                (Delivery::Broken, LegOutcome::Answered)
+            }
+            (Delivery::Complete, Some(_)) => (Delivery::Broken, LegOutcome::Failed),
+            (Delivery::Complete, None) => (Delivery::Complete, LegOutcome::Answered),
+            (delivery, _) => (delivery, LegOutcome::Failed),
+        };
         if let Some(r) = self.route.as_mut() {
             r.tell(delivery);
         }
         if let Some(v) = self.verdict.take() {
-            v.tell(match delivery {
-                Delivery::Complete => LegOutcome::Answered,
-                _ => LegOutcome::Failed,
-            });
+            v.tell(outcome);
         }
     }
 
@@ -142,8 +162,13 @@ impl Hooks<BoxBody> for EngineWatch {
         // An engine that streams without pause is cut at the deadline too.
         self.past_deadline()?;
         self.answered();
-        if let Some(r) = self.route.as_mut() {
-            r.summary.bytes += frame.data_ref().map_or(0, |d| d.len() as u64);
+        if let Some(data) = frame.data_ref() {
+            if let Some(w) = self.errors.as_mut() {
+                w.watch(data);
+            }
+            if let Some(r) = self.route.as_mut() {
+                r.summary.bytes += data.len() as u64;
+            }
         }
         // The server stops polling a body that says it has ended.
         if body.is_end_stream() {

@@ -407,3 +407,74 @@ async fn a_lead_streams_decode_refusal_with_a_slow_message_is_not_a_silent_decod
     assert_eq!(s.delivery, Delivery::Broken);
     assert_settled(&orch);
 }
+
+/// The decode answers 200 and then, in its stream, an error event of its own (vLLM's
+/// failed KV load on a streamed chat: role chunk, error event, `[DONE]`), its payload's
+/// start cut between two frames. The stream reaches the client byte for byte, and the
+/// attempt is no success: the decode's failure for a 5xx code (passive health counts it
+/// against the engine), its refusal for a 4xx one (its leg answered); the request's
+/// delivery is broken, with the error `decode_error_event`. A chunk whose text only
+/// spells such an event (escaped in its string) is an answer like any other.
+#[tokio::test(start_paused = true)]
+async fn an_error_event_in_the_decodes_stream_ends_the_attempt_as_its_code_says() {
+    let error = |code: &str| {
+        format!(
+            "data: {{\"error\": {{\"object\": \"error\", \"message\": \"Internal server error\", \"type\": \"InternalServerError\", \"param\": null, \"code\": {code}}}}}\n\n"
+        )
+    };
+    let spelled =
+        r#"data: {"choices":[{"index":0,"delta":{"content":"{\"error\": {\"code\": 500}}"}}]}"#
+            .to_owned()
+            + "\n\n";
+    let cases = [
+        (
+            "500",
+            Some(error("500")),
+            (Outcome::DecodeFailed, LegOutcome::Failed),
+        ),
+        (
+            "400",
+            Some(error("400")),
+            (Outcome::DecodeRefused, LegOutcome::Answered),
+        ),
+        ("text", None, (Outcome::Success, LegOutcome::Answered)),
+    ];
+    for (what, sent, (outcome, decode)) in cases {
+        let fake = Fake::new();
+        fake.on(P1, CHAT, prefill_answer());
+        let middle = sent.clone().unwrap_or_else(|| spelled.clone());
+        let (a, b) = middle.split_at(9);
+        let stream = Reply::sse()
+            .frame(ms(5), event(0))
+            .frame(ms(5), a.to_owned())
+            .frame(ms(5), b.to_owned())
+            .frame(ms(5), "data: [DONE]\n\n");
+        fake.on(D1, CHAT, stream);
+        let (orch, heard) = heard(&fake, &[P1], VllmNixl::new(), |_| {});
+        let resp = serve(&orch, chat(&orch)).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK, "{what}");
+        let all = within(resp.into_body().collect()).await.unwrap().to_bytes();
+        assert_eq!(
+            std::str::from_utf8(&all).unwrap(),
+            event(0) + &middle + "data: [DONE]\n\n",
+            "{what}: relayed as it came"
+        );
+        assert_settled(&orch);
+        let r = one(&heard, what);
+        assert_eq!(
+            (r.outcome, r.prefill, r.decode),
+            (outcome, LegOutcome::Answered, decode),
+            "{what}"
+        );
+        let s = heard.summary();
+        let (delivery, error) = match sent {
+            Some(_) => (Delivery::Broken, Some("decode_error_event")),
+            None => (Delivery::Complete, None),
+        };
+        assert_eq!(
+            (s.status, s.delivery, s.error),
+            (StatusCode::OK, delivery, error),
+            "{what}"
+        );
+    }
+}
