@@ -2,21 +2,40 @@
 //! ([`ErrorEvents`]).
 //!
 //! An engine that has sent its `200` head for a streamed answer can no longer answer an
-//! error status: vLLM and SGLang then write one server-sent event whose data is
-//! OpenAI's error shape, `data: {"error": {"message": ..., "type": ..., "code": N}}`,
-//! with the HTTP status the error would have had as its `code` (vLLM's
-//! `create_streaming_error_response` in `vllm/entrypoints/openai/engine/serving.py`,
-//! SGLang's in `sglang/srt/entrypoints/openai/serving_base.py`). vLLM 0.33 streams one
-//! so for a chat whose KV load failed. The bytes pass through untouched; the watch
-//! only tells the relay's caller that the answer carried an error, so that a stream that
-//! ends in one is not counted as served.
+//! error status: it writes one server-sent event in its API's error shape instead.
+//!
+//! * OpenAI's, `data: {"error": {"message": ..., "type": ..., "code": N}}`, with the
+//!   HTTP status the error would have had as its `code` (vLLM's
+//!   `create_streaming_error_response` in `vllm/entrypoints/openai/engine/serving.py`,
+//!   SGLang's in `sglang/srt/entrypoints/openai/serving_base.py`; SGLang's native
+//!   `/generate` may leave the `code` out). vLLM 0.33 streams one for a chat whose KV
+//!   load failed.
+//! * Anthropic's (vLLM's `/v1/messages`, `vllm/entrypoints/anthropic/`):
+//!   `event: error` then `data: {"type":"error","error":{"type": T, "message": ...}}`,
+//!   `T` named after the status (`invalid_request_error` 400, `authentication_error`
+//!   401, `permission_error` 403, `not_found_error` 404, `request_too_large` 413,
+//!   `rate_limit_error` 429, `overloaded_error` 503, `api_error` for another 5xx).
+//! * OpenAI's Responses stream: `data: {"type":"error","code": ..., "message": ...}`.
+//!
+//! The bytes pass through untouched; the watch only tells the relay's caller that the
+//! answer carried an error, and the status it names, so that a stream ending in one is
+//! not counted as served. (Cohere's `/cohere/v2/chat` tells a failure inside its
+//! `message-end` event, which is not looked for.)
 
 use memchr::memmem::Finder;
 
-/// How an error event's payload starts, as both engines write it (`json.dumps` of a
-/// dict whose first key is `error`). A JSON string cannot hold it: its quotes would
-/// be escaped.
-const NEEDLE: &[u8] = b"{\"error\"";
+/// How an error event's payload starts, as the engines write it: a dict whose first key
+/// is `error` (`json.dumps`, so spaced or not after it), or whose first member is
+/// `"type":"error"` (pydantic's `model_dump_json`, unspaced; `json.dumps`'s spacing
+/// also looked for). A JSON string cannot hold any of them: its quotes would be escaped.
+const NEEDLES: [&[u8]; 3] = [
+    b"{\"error\"",
+    b"{\"type\":\"error\"",
+    b"{\"type\": \"error\"",
+];
+
+/// The longest of [`NEEDLES`].
+const LONGEST: usize = 16;
 
 /// Bytes of the stream kept from one frame to the next: enough to see a needle cut
 /// between two frames and the `data:` field name before it.
@@ -33,33 +52,62 @@ pub struct ErrorEvent {
 }
 
 impl ErrorEvent {
-    /// The HTTP status the event's `code` names, when it names one (a number from 100
-    /// to 599, or such a number in a string).
+    /// The HTTP status the event names, when it names one: OpenAI's `error.code` (a
+    /// number from 100 to 599, or such a number in a string), else the status an error
+    /// type stands for (Anthropic's, or vLLM's own exception names such as
+    /// `InternalServerError`), else a Responses event's `code`.
     pub fn status(&self) -> Option<u16> {
         self.status
     }
 
-    /// Whether the error is the request's own fault (a 4xx `code`), not the engine's: an
-    /// event without a readable status is the engine's.
-    pub fn is_client_error(&self) -> bool {
-        self.status.is_some_and(|s| (400..500).contains(&s))
+    /// Whether the event names a 5xx status: the engine's own failure. An event naming
+    /// a 4xx, or no status at all (SGLang's `/generate` leaves the code out of a
+    /// request it found invalid; a message over [`MAX_ERROR_EVENT`] bytes hides a code
+    /// written after it), is not blamed on the engine.
+    pub fn is_server_error(&self) -> bool {
+        self.status.is_some_and(|s| s >= 500)
     }
 
     /// The event whose data line is `line` (from its payload's `{` on, at most
     /// [`MAX_ERROR_EVENT`] bytes).
     fn read(line: &[u8]) -> Self {
-        let code = serde_json::from_slice::<serde_json::Value>(line.trim_ascii())
-            .ok()
-            .and_then(|v| v.get("error")?.get("code").cloned());
-        let status = match code {
-            Some(serde_json::Value::Number(n)) => n.as_u64(),
-            Some(serde_json::Value::String(s)) => s.trim().parse().ok(),
-            _ => None,
-        }
-        .and_then(|n| u16::try_from(n).ok())
-        .filter(|s| (100..600).contains(s));
+        let value = serde_json::from_slice::<serde_json::Value>(line.trim_ascii()).ok();
+        let status = value.as_ref().and_then(|v| {
+            let error = v.get("error");
+            let code = error.and_then(|e| e.get("code")).and_then(as_status);
+            let kind = || error?.get("type")?.as_str().and_then(type_status);
+            code.or_else(kind)
+                .or_else(|| v.get("code").and_then(as_status))
+        });
         ErrorEvent { status }
     }
+}
+
+/// A status written as a number, or as a number in a string.
+fn as_status(code: &serde_json::Value) -> Option<u16> {
+    let n = match code {
+        serde_json::Value::Number(n) => n.as_u64(),
+        serde_json::Value::String(s) => s.trim().parse().ok(),
+        _ => None,
+    }?;
+    u16::try_from(n).ok().filter(|s| (100..600).contains(s))
+}
+
+/// The status an error's `type` stands for: Anthropic's types as vLLM's `/v1/messages`
+/// names them after the status, and the exception names vLLM's OpenAI errors carry.
+fn type_status(kind: &str) -> Option<u16> {
+    Some(match kind {
+        "invalid_request_error" | "BadRequestError" => 400,
+        "authentication_error" => 401,
+        "permission_error" => 403,
+        "not_found_error" | "NotFoundError" => 404,
+        "request_too_large" => 413,
+        "rate_limit_error" => 429,
+        "api_error" | "InternalServerError" => 500,
+        "NotImplementedError" => 501,
+        "overloaded_error" => 503,
+        _ => return None,
+    })
 }
 
 /// Watches the bytes of an event stream, frame by frame, for the first error event an
@@ -78,10 +126,10 @@ impl ErrorEvent {
 /// watch.watch(b"or\": {\"message\": \"Internal server error\", \"code\": 500}}\n\n");
 /// let event = watch.finish().expect("an error event");
 /// assert_eq!(event.status(), Some(500));
-/// assert!(!event.is_client_error());
+/// assert!(event.is_server_error());
 /// ```
 pub struct ErrorEvents {
-    finder: Finder<'static>,
+    finders: [Finder<'static>; 3],
     /// The last bytes seen, the oldest first.
     tail: [u8; TAIL],
     tail_len: usize,
@@ -117,17 +165,12 @@ impl ErrorEvents {
     /// A watch over a stream not begun.
     pub fn new() -> Self {
         ErrorEvents {
-            finder: Finder::new(NEEDLE),
+            finders: NEEDLES.map(Finder::new),
             tail: [0; TAIL],
             tail_len: 0,
             seen: 0,
             state: State::Watching,
         }
-    }
-
-    /// Whether an error event has been seen (its line may not be whole yet).
-    pub fn seen(&self) -> bool {
-        !matches!(self.state, State::Watching)
     }
 
     /// The stream's next bytes.
@@ -160,42 +203,63 @@ impl ErrorEvents {
     }
 
     /// The error event seen, once the stream has ended (a line cut by the stream's end
-    /// is read as far as it came); `None` when the stream carried none.
+    /// is read as far as it came); `None` when the stream carried none. The watch is
+    /// done: it reads nothing more.
     pub fn finish(&mut self) -> Option<ErrorEvent> {
-        match std::mem::replace(&mut self.state, State::Watching) {
-            State::Watching => None,
-            State::Reading(line) => Some(ErrorEvent::read(&line)),
-            State::Read(event) => Some(event),
-        }
+        let event = match &self.state {
+            State::Watching => return None,
+            State::Reading(line) => ErrorEvent::read(line),
+            State::Read(event) => *event,
+        };
+        self.state = State::Read(event);
+        Some(event)
     }
 
     /// Where, in the tail followed by `data`, the first error event's payload starts.
     fn find(&self, data: &[u8]) -> Option<usize> {
         // A payload's start cut between the last frame and this one.
-        let mut window = [0u8; TAIL + NEEDLE.len()];
-        let head = data.len().min(NEEDLE.len() - 1);
+        let mut window = [0u8; TAIL + LONGEST];
+        let head = data.len().min(LONGEST - 1);
         window[..self.tail_len].copy_from_slice(&self.tail[..self.tail_len]);
         window[self.tail_len..self.tail_len + head].copy_from_slice(&data[..head]);
         let window = &window[..self.tail_len + head];
-        let first = self.tail_len.saturating_sub(NEEDLE.len() - 1);
-        let mut at = first;
-        while let Some(hit) = self.finder.find(&window[at..]) {
-            let v = at + hit;
-            if self.starts_event(v, data) {
-                return Some(v);
+        let mut found: Option<usize> = None;
+        for finder in &self.finders {
+            let cut = finder.needle().len() - 1;
+            // Only a start that reaches into this frame: one wholly in the tail was
+            // looked at with the frame before.
+            let mut at = self.tail_len.saturating_sub(cut);
+            while let Some(hit) = finder.find(&window[at..]) {
+                let v = at + hit;
+                if v >= self.tail_len || found.is_some_and(|f| f <= v) {
+                    break;
+                }
+                if self.starts_event(v, data) {
+                    found = Some(v);
+                    break;
+                }
+                at = v + 1;
             }
-            at = v + 1;
         }
-        // One in this frame.
-        let mut at = 0;
-        while let Some(hit) = self.finder.find(&data[at..]) {
-            let v = self.tail_len + at + hit;
-            if self.starts_event(v, data) {
-                return Some(v);
+        if found.is_some() {
+            return found;
+        }
+        // One in this frame: the first of any needle.
+        for finder in &self.finders {
+            let mut at = 0;
+            while let Some(hit) = finder.find(&data[at..]) {
+                let v = self.tail_len + at + hit;
+                if found.is_some_and(|f| f <= v) {
+                    break;
+                }
+                if self.starts_event(v, data) {
+                    found = Some(v);
+                    break;
+                }
+                at += hit + 1;
             }
-            at += hit + 1;
         }
-        None
+        found
     }
 
     /// Whether the payload found at `v` (an index into the tail followed by `data`)
@@ -305,15 +369,17 @@ data: [DONE]\n\n";
     }
 
     #[test]
-    fn the_code_says_whose_fault_it_is() {
+    fn the_status_it_names_says_whose_fault_it_is() {
         let event = |code: &str| {
             let s = format!("data: {{\"error\": {{\"message\": \"m\", \"code\": {code}}}}}\n\n");
             watched(s.as_bytes(), &[])
         };
-        assert!(event("400").unwrap().is_client_error());
-        assert!(event("\"422\"").unwrap().is_client_error());
-        assert!(!event("500").unwrap().is_client_error());
-        // No status: the engine's.
+        let status = |code: &str| event(code).map(|e| (e.status(), e.is_server_error()));
+        assert_eq!(status("400"), Some((Some(400), false)));
+        assert_eq!(status("\"422\""), Some((Some(422), false)));
+        assert_eq!(status("500"), Some((Some(500), true)));
+        assert_eq!(status("503"), Some((Some(503), true)));
+        // No status: not the engine's to answer for.
         for code in [
             "null",
             "\"decode_stream_failed\"",
@@ -322,26 +388,75 @@ data: [DONE]\n\n";
             "-1",
             "4.5",
         ] {
-            let e = event(code).unwrap();
-            assert_eq!(e.status(), None, "{code}");
-            assert!(!e.is_client_error());
+            assert_eq!(status(code), Some((None, false)), "{code}");
         }
-        // SGLang's spelling, no space, at the stream's start; `\r\n` line ends.
+        // SGLang's spelling, no space, at the stream's start; `\r\n` line ends; and its
+        // `/generate`'s code-less error.
         let e = watched(b"data:{\"error\":{\"code\":404}}\r\n\r\n", &[]).unwrap();
         assert_eq!(e.status(), Some(404));
-        // An event cut by the stream's end, or too long to read: unknown code.
+        let e = watched(b"data: {\"error\": {\"message\": \"too long\"}}\n\n", &[]).unwrap();
+        assert_eq!((e.status(), e.is_server_error()), (None, false));
+        // vLLM's exception name when the code is missing.
+        let e = watched(
+            b"data: {\"error\": {\"type\": \"InternalServerError\"}}\n\n",
+            &[],
+        );
+        assert_eq!(e.and_then(|e| e.status()), Some(500));
+        // An event cut by the stream's end, or too long to read: unknown status.
         assert_eq!(
-            watched(b"data: {\"error\": {\"code\": 4", &[]).map(|e| e.status()),
+            watched(b"data: {\"error\": {\"code\": 5", &[]).map(|e| e.status()),
             Some(None)
         );
         let long = format!(
-            "data: {{\"error\": {{\"message\": \"{}\", \"code\": 400}}}}\n\n",
+            "data: {{\"error\": {{\"message\": \"{}\", \"code\": 500}}}}\n\n",
             "x".repeat(MAX_ERROR_EVENT)
         );
         assert_eq!(
             watched(long.as_bytes(), &[100, 2000]).map(|e| e.status()),
             Some(None)
         );
+    }
+
+    #[test]
+    fn anthropic_and_responses_error_events_are_found_and_read() {
+        // vLLM's `/v1/messages` stream: `event: error`, then the Anthropic error body,
+        // its type named after the status.
+        let messages = |kind: &str| {
+            format!(
+                "event: message_start\ndata: {{\"type\":\"message_start\",\"message\":{{}}}}\n\n\
+event: error\ndata: {{\"type\":\"error\",\"error\":{{\"type\":\"{kind}\",\"message\":\"m\"}}}}\n\n"
+            )
+        };
+        for (kind, status) in [
+            ("api_error", Some(500)),
+            ("overloaded_error", Some(503)),
+            ("invalid_request_error", Some(400)),
+            ("rate_limit_error", Some(429)),
+            ("something_else", None),
+        ] {
+            let stream = messages(kind);
+            for cut in 0..=stream.len() {
+                let e = watched(stream.as_bytes(), &[cut]);
+                assert_eq!(e.map(|e| e.status()), Some(status), "{kind} cut at {cut}");
+            }
+        }
+        // Spaced as `json.dumps` writes it; a Responses stream's error event.
+        let e = watched(
+            b"data: {\"type\": \"error\", \"error\": {\"type\": \"api_error\"}}\n\n",
+            &[],
+        );
+        assert_eq!(e.and_then(|e| e.status()), Some(500));
+        let e = watched(
+            b"data: {\"type\":\"error\",\"code\":\"server_error\",\"message\":\"m\",\"sequence_number\":3}\n\n",
+            &[],
+        );
+        assert_eq!(e.map(|e| e.status()), Some(None));
+        // Other typed events are none.
+        let other = b"data: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\"{\\\"type\\\":\\\"error\\\"}\"}}\n\n\
+data: {\"type\":\"errors\"}\n\n";
+        for cut in 0..=other.len() {
+            assert_eq!(watched(other, &[cut]), None, "cut at {cut}");
+        }
     }
 
     #[test]
@@ -356,7 +471,6 @@ data: [DONE]\n\n";
             w.watch(&[b'x'; 1024]);
         }
         assert!(matches!(w.state, State::Read(_)), "{:?}", w.state_len());
-        assert!(w.seen());
         assert_eq!(w.finish().map(|e| e.status()), Some(None));
     }
 

@@ -28,9 +28,9 @@ use crate::tap::{Hooks, Tap};
 /// it): [`LegOutcome::Failed`] when the engine could not be reached, gave no head in
 /// time after the client's body was in, answered 5xx or something unusable of its own
 /// (not a redirect: the client's path was wrong), broke off or went silent in its
-/// answer, or wrote an error event of its own in a 2xx event stream (one whose code is
-/// not a 4xx); [`LegOutcome::Answered`] when its answer ended (an error event with a
-/// 4xx code ends it as a 4xx head does), which counts for the engine only when it
+/// answer, or wrote an error event of its own naming a 5xx status in a 2xx event
+/// stream; [`LegOutcome::Answered`] when its answer ended (an error event naming a 4xx,
+/// or no status, ends it as a 4xx head does), which counts for the engine only when it
 /// [`served`](Self::served) generation. Nothing when the client left, its
 /// body failed, or the request's deadline passed: no fault of the engine's.
 pub(super) struct Verdict {
@@ -118,17 +118,17 @@ impl EngineWatch {
     /// when it broke).
     ///
     /// An answer that ended complete but carried the engine's error event is broken;
-    /// the engine failed unless the event's code is a 4xx.
+    /// the engine failed when the event names a 5xx status.
     fn ended(&mut self, delivery: Delivery) {
         let event = match delivery {
             Delivery::Complete => self.errors.as_mut().and_then(ErrorEvents::finish),
             _ => None,
         };
         let (delivery, outcome) = match (delivery, event) {
-            (Delivery::Complete, Some(e)) if e.is_client_error() => {
-                (Delivery::Broken, LegOutcome::Answered)
+            (Delivery::Complete, Some(e)) if e.is_server_error() => {
+                (Delivery::Broken, LegOutcome::Failed)
             }
-            (Delivery::Complete, Some(_)) => (Delivery::Broken, LegOutcome::Failed),
+            (Delivery::Complete, Some(_)) => (Delivery::Broken, LegOutcome::Answered),
             (Delivery::Complete, None) => (Delivery::Complete, LegOutcome::Answered),
             (delivery, _) => (delivery, LegOutcome::Failed),
         };

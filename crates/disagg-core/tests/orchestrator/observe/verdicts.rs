@@ -412,9 +412,9 @@ async fn a_lead_streams_decode_refusal_with_a_slow_message_is_not_a_silent_decod
 /// failed KV load on a streamed chat: role chunk, error event, `[DONE]`), its payload's
 /// start cut between two frames. The stream reaches the client byte for byte, and the
 /// attempt is no success: the decode's failure for a 5xx code (passive health counts it
-/// against the engine), its refusal for a 4xx one (its leg answered); the request's
-/// delivery is broken, with the error `decode_error_event`. A chunk whose text only
-/// spells such an event (escaped in its string) is an answer like any other.
+/// against the engine), its refusal for a 4xx one or none (its leg answered); the
+/// request's delivery is broken, with the error `decode_error_event`. A chunk whose text
+/// only spells such an event (escaped in its string) is an answer like any other.
 #[tokio::test(start_paused = true)]
 async fn an_error_event_in_the_decodes_stream_ends_the_attempt_as_its_code_says() {
     let error = |code: &str| {
@@ -435,6 +435,11 @@ async fn an_error_event_in_the_decodes_stream_ends_the_attempt_as_its_code_says(
         (
             "400",
             Some(error("400")),
+            (Outcome::DecodeRefused, LegOutcome::Answered),
+        ),
+        (
+            "no code",
+            Some("data: {\"error\": {\"message\": \"bad input\"}}\n\n".to_owned()),
             (Outcome::DecodeRefused, LegOutcome::Answered),
         ),
         ("text", None, (Outcome::Success, LegOutcome::Answered)),
