@@ -207,6 +207,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
         // The demo's decode declares no version: `auto` leaves reuse off.
         (crate::serve::ReuseArg::Auto, Arc::default()),
         None,
+        disagg_connectors::lmcache::CONTEXT_PROBE_TIMEOUT,
     )?;
     let endpoints = declared_endpoints(
         args.connector,
@@ -587,6 +588,7 @@ mod tests {
                 VllmLimits::default(),
                 (crate::serve::ReuseArg::Off, Arc::default()),
                 None,
+                disagg_connectors::lmcache::CONTEXT_PROBE_TIMEOUT,
             )
             .unwrap()
         };

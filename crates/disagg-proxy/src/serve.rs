@@ -230,11 +230,20 @@ impl Shared {
         let bidi = args.bidi.store(args.connector)?;
         let reuse_stats = Arc::new(disagg_connectors::vllm::ReuseStats::default());
         let nixl = args.connector == ConnectorArg::Nixl;
+        // LMCache's probe of a prefill's context length is a `/tokenize` as the token
+        // reading routers' is, and must end well within the handoff budget that
+        // bounds the plan's resolution (or the budget's 504 wins over carrying the
+        // request with its limit unchecked).
+        let context_probe = args
+            .kv_events
+            .tokenize_timeout()?
+            .min(secs(args.reliability.handoff_timeout, "handoff-timeout")? / 2);
         let connector = args.connector.connector(
             notifications,
             limits,
             (args.prompt_token_reuse, Arc::clone(&reuse_stats)),
             bidi.clone(),
+            context_probe,
         )?;
         let (health_config, active_checks) = args.reliability.health()?;
         if args.forward_authorization && args.edge.client_keys() {

@@ -45,12 +45,14 @@
 //!    request's `model` (a prompt's, or this call's) when under 10 s old, else asks the
 //!    prefill's `/tokenize` for it alone (one character, its answer read within 16
 //!    ids), for such a client or one with a limit above 1 (whose room it checks): about
-//!    once per prefill engine and model every 10 s, not strictly (requests that miss
-//!    together each ask, as does one the remembered length would refuse: see
+//!    once per prefill engine and model every 10 s (requests that miss together share
+//!    one probe; one the remembered length would refuse asks afresh: see
 //!    `context.rs`), none for a limit of 1 (the prefill's token, no decode leg) or a
-//!    `min_tokens` above the limit (refused). A probe that fails on the engine's side
-//!    fails a client without a limit (502, the prefill named) and leaves a limit
-//!    unchecked, the failure remembered for 10 s. Never `null`:
+//!    `min_tokens` above the limit (refused). A request waits at most
+//!    [`CONTEXT_PROBE_TIMEOUT`] (2 s) for it. A probe that fails on the engine's side
+//!    (no answer in that time among those) fails a client without a limit (502, the
+//!    prefill named) and leaves a limit unchecked, the failure remembered for 10 s.
+//!    Never `null`:
 //!    vLLM's completions route asserts a number for every output. Only when the
 //!    prefill's answer gives no `max_model_len` is the key left out (vLLM's 16).
 //!    A known difference: vLLM
@@ -103,6 +105,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
+pub use self::context::CONTEXT_PROBE_TIMEOUT;
 use self::ids::{completion_tokenize, tokenize_request};
 use self::limit::{int_field, rest_of_context, token_limit};
 use self::prompt::{Kind, Unchecked};

@@ -63,7 +63,9 @@ mod connector;
 mod notify;
 mod reshape;
 
-pub use connector::{Lmcache, LmcacheReceiver, MAX_PROMPT_TOKENS, ReceiverError};
+pub use connector::{
+    CONTEXT_PROBE_TIMEOUT, Lmcache, LmcacheReceiver, MAX_PROMPT_TOKENS, ReceiverError,
+};
 pub use notify::{
     DEFAULT_MAX_NOTIFICATION, Notifications, NotifyConfig, NotifyError, NotifyStats, Pending,
     WaitError,

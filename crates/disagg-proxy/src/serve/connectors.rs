@@ -43,6 +43,7 @@ impl ConnectorArg {
         limits: VllmLimits,
         (reuse, stats): (ReuseArg, Arc<ReuseStats>),
         bidi: Option<Arc<BidiStore>>,
+        context_probe: Duration,
     ) -> Result<Arc<dyn KvConnector>, BoxError> {
         let rewriter = PrefillRewriter::new().with_limits(limits);
         let reuse = match reuse {
@@ -64,7 +65,8 @@ impl ConnectorArg {
                 Lmcache::new(
                     notifications.ok_or("the lmcache connector needs its notification listener")?,
                 )
-                .with_limits(limits),
+                .with_limits(limits)
+                .with_context_probe_timeout(context_probe),
             ),
         })
     }

@@ -14,12 +14,25 @@
 //! not remembered: its requests ask each time.
 //!
 //! So the probe is asked about once per engine and model every 10 s, and not at all
-//! while prompts of text keep reaching that engine's `/tokenize`; not strictly once:
+//! while prompts of text keep reaching that engine's `/tokenize`. Requests that miss
+//! together (before the first answer, or once it expired) share one probe: the first
+//! asks, the others wait for its answer (no lock is held across the call: the entry of
+//! a probe under way holds a channel its asker answers on, and is removed when that
+//! asker is done or dropped). Not strictly once:
 //!
-//! - requests that miss together (before the first answer, or once it expired) each
-//!   ask (no lock is held across the call);
-//! - a request the remembered length would refuse asks afresh (below), so each of a
-//!   run of requests whose limits the context cannot hold asks.
+//! - a request the remembered length would refuse asks afresh (below), or joins a
+//!   probe under way, so each of a run of requests whose limits the context cannot
+//!   hold asks;
+//! - a probe that learns nothing (the client's 404 or 400/422 for its `model`, a job
+//!   the blocking pool lost) answers no one: the requests waiting on it ask in turn,
+//!   as do those whose asker was dropped (its client gone);
+//! - at most [`MAX_ENGINES`] probes are shared at once: a miss beyond them asks alone.
+//!
+//! A request waits at most [`CONTEXT_PROBE_TIMEOUT`] (2 s, or
+//! [`Lmcache::with_context_probe_timeout`]) for the length, from the moment it starts
+//! asking or waiting, whoever asks: past it the probe has failed on the engine's side.
+//! (An engine that took the connection and never answered would otherwise hold the
+//! request until the orchestrator's handoff budget, 10 s by default, failed it: 504.)
 //!
 //! A probe that fails on the engine's side (a status other than the client's 404 or
 //! 400/422, a gateway that does not route `/tokenize`, no answer in time: a
@@ -28,8 +41,9 @@
 //! request with a limit, which needed it only to check the limit's room, is carried
 //! unchecked (the decode refuses a limit its context cannot hold, after the prefill
 //! ran), and the failure is remembered for 10 s like an answer: the requests with a
-//! limit that follow skip the check without asking, those without one ask again. A
-//! warning is logged when a failure is learned, not for each request it then spares.
+//! limit that follow skip the check without asking, those without one ask again. The
+//! requests that waited on a probe take its failure as their own. A warning is logged
+//! when a failure is learned, not for each request it then spares.
 //!
 //! An engine restarted with another `--max-model-len` behind the same address is read
 //! anew within 10 s. Until then the remembered length may be stale:
@@ -54,7 +68,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use disagg_core::endpoint::Endpoint;
@@ -62,36 +76,70 @@ use disagg_core::error::{ConnectorError, error_chain};
 use disagg_core::transport::Transport;
 use disagg_tokenize::prompt::BlockingLimit;
 use http::Uri;
+use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::Plan;
 use super::ids::context_length;
 use super::limit::{check_limit, check_min_tokens, needs_context};
+use super::{Lmcache, Plan};
+
+/// How long the [`Lmcache`] connector waits by default for a prefill's `/tokenize` to
+/// tell its context length ([`Lmcache::with_context_probe_timeout`]): 2 s, the
+/// orchestrator's default `tokenize_timeout` (its longest wait for an engine's
+/// `/tokenize` before routing without the ids: longer means the engine is stuck), well
+/// within its default `handoff_timeout` (10 s), which bounds the plan's resolution.
+pub const CONTEXT_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl Lmcache {
+    /// Wait at most `timeout` (default [`CONTEXT_PROBE_TIMEOUT`], 2 s) for a prefill's
+    /// `/tokenize` to tell its context length, when a request whose ids were known
+    /// needs it and none is remembered: counted from when the request starts asking,
+    /// or waiting on the probe another request asked for the same engine and model.
+    /// Past it the probe has failed on the engine's side: a request with a limit is
+    /// carried with its limit's room unchecked (and the failure remembered for 10 s),
+    /// one without a limit fails (502, the prefill named). Keep it below the
+    /// orchestrator's `handoff_timeout` (10 s by default), which bounds the whole
+    /// resolution of the plan and fails the request (504) when it passes first.
+    #[must_use]
+    pub fn with_context_probe_timeout(mut self, timeout: Duration) -> Self {
+        self.contexts.set_timeout(timeout);
+        self
+    }
+}
 
 /// How long a prefill's context length is remembered after its latest `/tokenize`
 /// answer: the proxy's cache of the engines' model lists lasts as long.
 const TTL: Duration = Duration::from_secs(10);
 
-/// The most entries (a prefill engine and a model) whose context length is remembered.
+/// The most entries (a prefill engine and a model) whose context length is remembered,
+/// and the most probes shared at once.
 const MAX_ENGINES: usize = 1024;
 
 /// The longest `model` (in bytes, as the request wrote it) whose length is remembered:
 /// the key holds it, and a client names it.
 const MAX_MODEL_KEY: usize = 1024;
 
-/// Each prefill engine's latest context length, by its `/tokenize` address and model.
+/// Each prefill engine's latest context length, by its `/tokenize` address and model,
+/// and the probes under way.
 #[derive(Debug)]
 pub(super) struct ContextLengths {
     /// Where the entries' times count from.
     epoch: Instant,
+    /// How long a request waits for the length it asks, or waits on another's probe for.
+    timeout: Duration,
     engines: RwLock<HashMap<Key, Learned>>,
+    /// The probes under way, by entry: where their askers answer. An entry lives as
+    /// long as its asker's [`Flight`].
+    flights: Mutex<HashMap<Key, Answers>>,
 }
 
 impl Default for ContextLengths {
     fn default() -> Self {
         ContextLengths {
             epoch: Instant::now(),
+            timeout: CONTEXT_PROBE_TIMEOUT,
             engines: RwLock::default(),
+            flights: Mutex::default(),
         }
     }
 }
@@ -121,8 +169,78 @@ enum Told {
     Failed,
 }
 
+/// Where the requests waiting on a probe read its answer: `None` until it comes. The
+/// channel closes without one when the probe learned nothing, or its asker was dropped.
+type Answers = watch::Receiver<Option<Answer>>;
+
+/// A probe's answer, as the requests that waited on it take it.
+#[derive(Debug, Clone)]
+enum Answer {
+    /// The engine's length (`None`: its answer gave none).
+    Length(Option<u64>),
+    /// The probe failed on the engine's side: why.
+    Failed(Arc<str>),
+}
+
+impl Answer {
+    /// The answer as a waiting request's own probe on `ep` would have had it.
+    fn taken(self, ep: &Endpoint) -> Result<Option<u64>, ConnectorError> {
+        match self {
+            Answer::Length(length) => Ok(length),
+            Answer::Failed(why) => Err(ConnectorError::Engine {
+                endpoint: ep.id().clone(),
+                what: "/tokenize",
+                source: Box::new(Waited(why)),
+            }),
+        }
+    }
+}
+
+/// A probe given no answer within the connector's time for it.
+#[derive(Debug, thiserror::Error)]
+#[error("no answer within {0:?}")]
+struct Unanswered(Duration);
+
+/// The failure of the probe a request waited on, which another request asked.
+#[derive(Debug, thiserror::Error)]
+#[error("{0} (the probe of a request this one waited on)")]
+struct Waited(Arc<str>);
+
+/// A probe under way, its entry in [`ContextLengths::flights`] removed when it is
+/// dropped (asked, or its request gone): the requests waiting on it then read its
+/// answer, or ask themselves when it gave none.
+struct Flight<'a> {
+    lengths: &'a ContextLengths,
+    key: Key,
+    answer: watch::Sender<Option<Answer>>,
+}
+
+impl Drop for Flight<'_> {
+    fn drop(&mut self) {
+        let mut flights = self.lengths.flights();
+        if flights
+            .get(&self.key)
+            .is_some_and(|answers| answers.same_channel(&self.answer.subscribe()))
+        {
+            flights.remove(&self.key);
+        }
+    }
+}
+
+/// What a request that needs a fresh length does.
+enum Turn<'a> {
+    /// Wait on the probe under way for its entry.
+    Wait(Answers),
+    /// Ask, answering those that wait on it.
+    Ask(Flight<'a>),
+    /// Ask for itself alone: its entry is not remembered, or too many probes are under
+    /// way.
+    Alone,
+}
+
 /// The prefill's `/tokenize`, as `resolve` asks it: through `transport`, on `ep`, naming
 /// the client's `model`, large answers read within `blocking`.
+#[derive(Clone, Copy)]
 pub(super) struct Prefill<'a> {
     pub(super) transport: &'a dyn Transport,
     pub(super) ep: &'a Arc<Endpoint>,
@@ -147,15 +265,21 @@ impl Prefill<'_> {
 }
 
 impl ContextLengths {
+    /// Wait at most `timeout` for a length asked, or for another request's probe.
+    pub(super) fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
     /// The context length a request is held to, once its limit and `min_tokens` were
     /// checked, in that order, against the room it leaves after a prompt of `prompt`
     /// ids ([`check_limit`], [`check_min_tokens`]). `told`: the length the prompt's own
     /// `/tokenize` answered (`Some`, remembered), or `None` when the ids were known.
     /// Then a request that [`needs_context`] takes the length remembered for the
-    /// prefill, else asks it ([`context_length`]) and remembers the answer; a check the
-    /// remembered length fails is made again on a fresh answer. A request with a limit
-    /// whose probe fails on the engine's side, or failed within 10 s, is checked
-    /// without the length (the limit's room unchecked); the failure is remembered.
+    /// prefill, else a fresh one ([`fresh`](Self::fresh): asked, or waited for while
+    /// another request asks); a check the remembered length fails is made again on a
+    /// fresh answer. A request with a limit whose probe fails on the engine's side (no
+    /// answer in time among those), or failed within 10 s, is checked without the
+    /// length (the limit's room unchecked).
     ///
     /// # Errors
     ///
@@ -192,39 +316,131 @@ impl ContextLengths {
             Some(Told::Failed) if limited => return check(None),
             _ => {}
         }
+        match self.fresh(key, prefill).await {
+            Ok(length) => check(length),
+            Err(ConnectorError::Engine { .. }) if limited => check(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// A fresh answer of the prefill's for the entry `key`, within
+    /// [`timeout`](Self::timeout) from now: the answer of the probe under way for that
+    /// entry, waited for, or else this request's own ([`probe`](Self::probe)), which
+    /// the requests that miss meanwhile wait for. A probe that answered no one (it
+    /// learned nothing, or its asker was dropped) is asked again, by one of those that
+    /// waited on it.
+    ///
+    /// # Errors
+    ///
+    /// Those of [`context_length`] (the probe's, when this request waited on another's:
+    /// a failure on the engine's side only, the others answer no one); no answer within
+    /// the time is the engine's ([`ConnectorError::Engine`]).
+    async fn fresh(
+        &self,
+        key: Option<Key>,
+        prefill: Prefill<'_>,
+    ) -> Result<Option<u64>, ConnectorError> {
+        let deadline = Instant::now().checked_add(self.timeout);
+        loop {
+            let flight = match key.as_ref().map_or(Turn::Alone, |k| self.join(k)) {
+                Turn::Wait(answers) => match within(deadline, answer(answers)).await {
+                    Some(Some(answer)) => return answer.taken(prefill.ep),
+                    // Answered no one: its entry is gone, this request may ask.
+                    Some(None) => continue,
+                    None => return Err(self.unanswered(prefill.ep)),
+                },
+                Turn::Ask(flight) => Some(flight),
+                Turn::Alone => None,
+            };
+            return self.probe(key, prefill, deadline, flight).await;
+        }
+    }
+
+    /// What a request that needs a fresh length for `key` does: wait on the probe
+    /// under way, or ask (its entry added), or ask alone when [`MAX_ENGINES`] probes
+    /// are under way.
+    fn join(&self, key: &Key) -> Turn<'_> {
+        let mut flights = self.flights();
+        if let Some(answers) = flights.get(key) {
+            return Turn::Wait(answers.clone());
+        }
+        if flights.len() >= MAX_ENGINES {
+            return Turn::Alone;
+        }
+        let (answer, answers) = watch::channel(None);
+        flights.insert(key.clone(), answers);
+        Turn::Ask(Flight {
+            lengths: self,
+            key: key.clone(),
+            answer,
+        })
+    }
+
+    /// The prefill's context length ([`context_length`]) asked by this request, by
+    /// `deadline`, remembered under `key` (what it learned: a length, or a failure of
+    /// the engine's side, no answer in time among them) and told to the requests
+    /// waiting on `flight`. A warning is logged when a failure is learned.
+    async fn probe(
+        &self,
+        key: Option<Key>,
+        prefill: Prefill<'_>,
+        deadline: Option<Instant>,
+        flight: Option<Flight<'_>>,
+    ) -> Result<Option<u64>, ConnectorError> {
         let Prefill {
             transport,
             ep,
             model,
             blocking,
         } = prefill;
-        let asked = context_length(transport, ep, model, blocking).await;
-        let told = match &asked {
-            Ok(length) => Told::Length(*length),
-            Err(ConnectorError::Engine { .. }) => Told::Failed,
-            // The client's (its model), the proxy's or the operator's: nothing learned.
+        let asked = within(deadline, context_length(transport, ep, model, blocking))
+            .await
+            .unwrap_or_else(|| Err(self.unanswered(ep)));
+        let (told, answer) = match &asked {
+            Ok(length) => (Told::Length(*length), Answer::Length(*length)),
+            Err(ConnectorError::Engine { source, .. }) => {
+                (Told::Failed, Answer::Failed(error_chain(&**source).into()))
+            }
+            // The client's (its model), the proxy's or the operator's: nothing learned,
+            // and no one answered (the flight dropped: its waiters ask in turn).
             Err(_) => return asked,
         };
         let learned = key.is_some_and(|key| self.learn(key, told));
-        match asked {
-            Ok(length) => check(length),
-            Err(e) => {
-                if learned {
-                    tracing::warn!(
-                        endpoint = %ep.id(),
-                        error = %error_chain(&e),
-                        "the prefill's /tokenize gave no context length: for 10 s its requests with a token limit go without the limit's room checked, those without one fail"
-                    );
-                } else {
-                    tracing::debug!(
-                        endpoint = %ep.id(),
-                        error = %error_chain(&e),
-                        "the prefill's /tokenize gave no context length again"
-                    );
-                }
-                if limited { check(None) } else { Err(e) }
+        if let Some(flight) = flight {
+            flight.answer.send_replace(Some(answer));
+        }
+        if let Err(e) = &asked {
+            if learned {
+                tracing::warn!(
+                    endpoint = %ep.id(),
+                    error = %error_chain(e),
+                    "the prefill's /tokenize gave no context length: for 10 s its requests with a token limit go without the limit's room checked, those without one fail"
+                );
+            } else {
+                tracing::debug!(
+                    endpoint = %ep.id(),
+                    error = %error_chain(e),
+                    "the prefill's /tokenize gave no context length again"
+                );
             }
         }
+        asked
+    }
+
+    /// The failure of a probe on `ep` given no answer within [`timeout`](Self::timeout):
+    /// the engine's.
+    fn unanswered(&self, ep: &Endpoint) -> ConnectorError {
+        ConnectorError::Engine {
+            endpoint: ep.id().clone(),
+            what: "/tokenize",
+            source: Box::new(Unanswered(self.timeout)),
+        }
+    }
+
+    /// How many probes are under way.
+    #[cfg(test)]
+    pub(super) fn flights_under_way(&self) -> usize {
+        self.flights().len()
     }
 
     /// What the entry `key` was told less than [`TTL`] ago.
@@ -283,6 +499,26 @@ impl ContextLengths {
     fn write(&self) -> RwLockWriteGuard<'_, HashMap<Key, Learned>> {
         self.engines.write().unwrap_or_else(PoisonError::into_inner)
     }
+
+    /// The probes under way, whatever a panic elsewhere left them: each entry is
+    /// written whole.
+    fn flights(&self) -> MutexGuard<'_, HashMap<Key, Answers>> {
+        self.flights.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// `step`'s output, unless `deadline` (`None`: none) passes first.
+async fn within<T>(deadline: Option<Instant>, step: impl Future<Output = T>) -> Option<T> {
+    match deadline {
+        Some(deadline) => tokio::time::timeout_at(deadline, step).await.ok(),
+        None => Some(step.await),
+    }
+}
+
+/// The answer told on `answers`, once it is; `None` when the channel closed without one.
+async fn answer(mut answers: Answers) -> Option<Answer> {
+    let told = answers.wait_for(Option::is_some).await.ok()?;
+    told.clone()
 }
 
 /// `d` in nanoseconds (`u64::MAX` past some 584 years).

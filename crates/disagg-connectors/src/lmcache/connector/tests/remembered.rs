@@ -30,15 +30,20 @@ struct Engines {
     models: Vec<(&'static str, u64)>,
     /// How each `/tokenize` fails, while it does.
     failing: Mutex<Option<Fault>>,
+    /// Whether a `/tokenize` may be answered: one asked while it is `false` waits
+    /// until it is `true` ([`hold`](Self::hold), [`release`](Self::release)).
+    open: tokio::sync::watch::Sender<bool>,
     notifications: Option<Notifications>,
     seen: Mutex<Vec<(String, Bytes)>>,
 }
 
-/// A failing `/tokenize`: a status answered, or no answer in time.
+/// A failing `/tokenize`: a status answered, the transport's own timeout, or no answer
+/// ever (an engine that took the connection and never answers).
 #[derive(Debug, Clone, Copy)]
 enum Fault {
     Status(http::StatusCode),
     Timeout,
+    Silent,
 }
 
 impl Engines {
@@ -51,6 +56,7 @@ impl Engines {
             context: Mutex::new(context),
             models: Vec::new(),
             failing: Mutex::default(),
+            open: tokio::sync::watch::Sender::new(true),
             notifications,
             seen: Mutex::default(),
         })
@@ -62,6 +68,7 @@ impl Engines {
             context: Mutex::new(0),
             models,
             failing: Mutex::default(),
+            open: tokio::sync::watch::Sender::new(true),
             notifications: None,
             seen: Mutex::default(),
         })
@@ -86,6 +93,16 @@ impl Engines {
         if let Ok(mut f) = self.failing.lock() {
             *f = fault;
         }
+    }
+
+    /// Each `/tokenize` asked from now on waits for [`release`](Self::release).
+    fn hold(&self) {
+        self.open.send_replace(false);
+    }
+
+    /// The `/tokenize` calls held are answered, and those that follow at once.
+    fn release(&self) {
+        self.open.send_replace(true);
     }
 
     /// Every engine behind the transport restarted with a context of `context`.
@@ -167,6 +184,7 @@ impl Transport for Engines {
                 let timeout = disagg_core::error::TransportError::Timeout;
                 return Box::pin(async move { Err(timeout) });
             }
+            ("/tokenize", Some(Fault::Silent)) => return Box::pin(std::future::pending()),
             ("/tokenize", Some(Fault::Status(status))) => (status, "no".to_owned()),
             ("/tokenize", None) => (
                 http::StatusCode::OK,
@@ -183,7 +201,15 @@ impl Transport for Engines {
             .boxed();
         let mut resp = http::Response::new(body);
         *resp.status_mut() = status;
-        Box::pin(async move { Ok::<_, disagg_core::error::TransportError>(resp) })
+        let mut open = self.open.subscribe();
+        let held = req.uri().path() == "/tokenize";
+        Box::pin(async move {
+            if held {
+                // The sender lives as long as the engines the transport borrows.
+                let _ = open.wait_for(|open| *open).await;
+            }
+            Ok::<_, disagg_core::error::TransportError>(resp)
+        })
     }
 }
 
@@ -608,4 +634,212 @@ async fn each_model_behind_one_address_has_its_own_context_length() {
         "{:?}",
         engines.uris()
     );
+}
+
+/// Longer than any bound the probe has: a request still waiting then waits for good.
+const NEVER: Duration = Duration::from_secs(600);
+
+/// A prefill that took the connection and never answers its `/tokenize`: the probe
+/// gives up after [`CONTEXT_PROBE_TIMEOUT`] and the request is carried as after any
+/// failure of the engine's side: a limit unchecked, the failure remembered for 10 s
+/// (the next request with a limit does not ask, nor wait), a client without a limit
+/// failed (502, the prefill named) once its own probe gave up.
+#[tokio::test(start_paused = true)]
+async fn a_probe_never_answered_leaves_a_limit_unchecked_within_its_bound() {
+    let c = connector();
+    let engines = Engines::new(64);
+    engines.fail_tokenize(Some(Fault::Silent));
+    let start = tokio::time::Instant::now();
+    let h = tokio::time::timeout(NEVER, resolved(&c, P, &engines, &client_ids(7)))
+        .await
+        .expect("the request waited for good")
+        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    assert_eq!(start.elapsed(), CONTEXT_PROBE_TIMEOUT);
+    assert_eq!(engines.probes(P), 1);
+    assert_eq!(decode_budget(&c, h).await, json!(6));
+
+    // Remembered: not asked, not waited for (100 > 64 - 2 unchecked).
+    let start = tokio::time::Instant::now();
+    resolved(&c, P, &engines, &client_ids(100)).await.unwrap();
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert_eq!(engines.probes(P), 1);
+
+    // A client without a limit asks, and fails as the prefill's once it gave up.
+    let start = tokio::time::Instant::now();
+    let err = tokio::time::timeout(NEVER, resolved(&c, P, &engines, &routed_unlimited()))
+        .await
+        .expect("the request waited for good")
+        .err()
+        .unwrap_or_else(|| panic!("carried without a context length"));
+    assert_eq!(start.elapsed(), CONTEXT_PROBE_TIMEOUT);
+    assert!(
+        matches!(&err, ConnectorError::Engine { endpoint, what: "/tokenize", .. } if endpoint.as_str() == P),
+        "{err:?}"
+    );
+    assert!(error_chain(&err).contains("no answer within 2s"), "{err:?}");
+    assert_eq!(super::fault::answered(err).0, 502);
+    assert_eq!(engines.probes(P), 2);
+}
+
+/// Through the orchestrator, with its default budgets: a known-ids request with a limit
+/// whose prefill never answers its `/tokenize` is served (200) once the probe's bound
+/// passed, not failed when the plan's resolution runs out of its handoff budget (504).
+#[tokio::test(start_paused = true)]
+async fn a_probe_never_answered_does_not_fail_a_request_with_a_limit() {
+    let c = connector();
+    let engines = Engines::notifying(64, Some(c.notifications().clone()));
+    engines.fail_tokenize(Some(Fault::Silent));
+    let prefill = Endpoint::new(P, Role::Prefill).unwrap();
+    let o = Orchestrator::builder(
+        StaticSource::new([prefill, decode()]),
+        Arc::clone(&engines),
+        c,
+    )
+    .build();
+    let start = tokio::time::Instant::now();
+    let body = r#"{"model":"m","prompt":[5,6],"max_tokens":7}"#;
+    let (status, answer) = served(&o, body).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(start.elapsed(), CONTEXT_PROBE_TIMEOUT);
+    assert_eq!(engines.probes(P), 1, "{:?}", engines.uris());
+}
+
+/// Requests that miss together (nothing remembered for their prefill and model) share
+/// one probe: the first asks, the others wait for its answer, each then checked
+/// against it (a limit's room; the rest of the context for a client without one).
+#[tokio::test(start_paused = true)]
+async fn concurrent_misses_share_one_probe() {
+    const K: usize = 8;
+    let c = connector();
+    let engines = Engines::new(64);
+    engines.hold();
+    let reqs: Vec<PdRequest> = (0..K)
+        .map(|i| {
+            if i % 2 == 0 {
+                client_ids(4)
+            } else {
+                routed_unlimited()
+            }
+        })
+        .collect();
+    let mut pending: Vec<_> = reqs
+        .iter()
+        .map(|req| Box::pin(resolved(&c, P, &engines, req)))
+        .collect();
+    for p in &mut pending {
+        assert!(futures::poll!(p.as_mut()).is_pending());
+    }
+    assert_eq!(engines.probes(P), 1, "{:?}", engines.uris());
+
+    engines.release();
+    let handoffs = futures::future::join_all(pending).await;
+    assert_eq!(engines.probes(P), 1, "{:?}", engines.uris());
+    for (i, h) in handoffs.into_iter().enumerate() {
+        let h = h.unwrap_or_else(|e| panic!("{i}: {}", error_chain(&e)));
+        let budget = if i % 2 == 0 { 3 } else { 61 };
+        assert_eq!(decode_budget(&c, h).await, json!(budget), "{i}");
+    }
+    assert_eq!(c.contexts.flights_under_way(), 0);
+}
+
+/// Requests that miss together on a prefill that never answers wait for the one probe
+/// no longer than its bound: all are carried with their limits unchecked at once, and
+/// the engine was asked once.
+#[tokio::test(start_paused = true)]
+async fn concurrent_misses_of_a_probe_never_answered_wait_no_longer_than_its_bound() {
+    let c = connector();
+    let engines = Engines::new(64);
+    engines.fail_tokenize(Some(Fault::Silent));
+    let reqs: Vec<PdRequest> = (0..4).map(|_| client_ids(7)).collect();
+    let start = tokio::time::Instant::now();
+    let all = futures::future::join_all(reqs.iter().map(|req| resolved(&c, P, &engines, req)));
+    let handoffs = tokio::time::timeout(NEVER, all)
+        .await
+        .expect("a request waited for good");
+    assert_eq!(start.elapsed(), CONTEXT_PROBE_TIMEOUT);
+    for h in handoffs {
+        h.unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    }
+    assert_eq!(engines.probes(P), 1, "{:?}", engines.uris());
+    assert_eq!(c.contexts.flights_under_way(), 0);
+}
+
+/// A request that asked for the others and was dropped (its client gone) does not leave
+/// them waiting: one of them asks in its place. A waiter dropped leaves nothing behind.
+#[tokio::test(start_paused = true)]
+async fn a_probe_whose_asker_is_dropped_is_asked_again_by_a_waiter() {
+    let c = connector();
+    let engines = Engines::new(64);
+    engines.hold();
+    let reqs: Vec<PdRequest> = (0..3).map(|_| client_ids(4)).collect();
+    let mut asker = Box::pin(resolved(&c, P, &engines, &reqs[0]));
+    let mut waiter = Box::pin(resolved(&c, P, &engines, &reqs[1]));
+    let mut dropped = Box::pin(resolved(&c, P, &engines, &reqs[2]));
+    assert!(futures::poll!(asker.as_mut()).is_pending());
+    assert!(futures::poll!(waiter.as_mut()).is_pending());
+    assert!(futures::poll!(dropped.as_mut()).is_pending());
+    assert_eq!(engines.probes(P), 1);
+    drop(dropped);
+    drop(asker);
+
+    // The waiter asks in the asker's place, and is served on that answer.
+    assert!(futures::poll!(waiter.as_mut()).is_pending());
+    assert_eq!(engines.probes(P), 2, "{:?}", engines.uris());
+    engines.release();
+    let h = tokio::time::timeout(NEVER, waiter)
+        .await
+        .expect("the waiter waited for good")
+        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    assert_eq!(decode_budget(&c, h).await, json!(3));
+    assert_eq!(c.contexts.flights_under_way(), 0);
+    // Its answer is remembered.
+    resolved(&c, P, &engines, &client_ids(4)).await.unwrap();
+    assert_eq!(engines.probes(P), 2);
+}
+
+/// A probe that learns nothing (a `model` the prefill does not serve: 404, the
+/// client's) answers no one: the requests that waited on it ask in turn, each refused
+/// on its own answer (400), none left waiting.
+#[tokio::test(start_paused = true)]
+async fn a_probe_that_learns_nothing_leaves_its_waiters_to_ask() {
+    let c = connector();
+    let engines = Engines::new(64);
+    engines.fail_tokenize(Some(Fault::Status(http::StatusCode::NOT_FOUND)));
+    engines.hold();
+    let reqs: Vec<PdRequest> = (0..3).map(|_| client_ids(4)).collect();
+    let mut pending: Vec<_> = reqs
+        .iter()
+        .map(|req| Box::pin(resolved(&c, P, &engines, req)))
+        .collect();
+    for p in &mut pending {
+        assert!(futures::poll!(p.as_mut()).is_pending());
+    }
+    assert_eq!(engines.probes(P), 1);
+    engines.release();
+    let all = futures::future::join_all(pending);
+    let handoffs = tokio::time::timeout(NEVER, all)
+        .await
+        .expect("a request waited for good");
+    for h in handoffs {
+        let err = h.err().unwrap_or_else(|| panic!("carried"));
+        assert_eq!(super::fault::answered(err).0, 400);
+    }
+    assert_eq!(engines.probes(P), 3, "{:?}", engines.uris());
+    assert_eq!(c.contexts.flights_under_way(), 0);
+}
+
+/// The probe's bound is the connector's to set: a prefill that never answers holds a
+/// request with a limit that long, no longer.
+#[tokio::test(start_paused = true)]
+async fn the_probes_bound_is_the_connectors_to_set() {
+    let bound = Duration::from_millis(300);
+    let c = connector().with_context_probe_timeout(bound);
+    let engines = Engines::new(64);
+    engines.fail_tokenize(Some(Fault::Silent));
+    let start = tokio::time::Instant::now();
+    tokio::time::timeout(NEVER, resolved(&c, P, &engines, &client_ids(7)))
+        .await
+        .expect("the request waited for good")
+        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    assert_eq!(start.elapsed(), bound);
 }
