@@ -48,6 +48,48 @@ pub(crate) enum SimBody {
     /// Events rendered up front, sent one per frame (SGLang's `/generate`, the
     /// Responses API).
     Events(Box<EventsBody>),
+    /// A body whose head went out before the work that makes it was done (a vLLM
+    /// stream's head, sent before its KV load): the work, then the body it made.
+    Deferred(Box<Deferred>),
+}
+
+/// The work a [`SimBody::Deferred`] waits for.
+pub(crate) type Work = Pin<Box<dyn Future<Output = SimBody> + Send>>;
+
+/// A [`SimBody::Deferred`]: its work until done, then the body the work made. Dropped
+/// with the body (the client left), the work is dropped where it stands.
+pub(crate) enum Deferred {
+    /// Not done yet.
+    Working(Work),
+    /// Done: the body it made.
+    Done(SimBody),
+}
+
+impl std::fmt::Debug for Deferred {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Deferred::Working(_) => f.write_str("Working"),
+            Deferred::Done(body) => f.debug_tuple("Done").field(body).finish(),
+        }
+    }
+}
+
+impl Deferred {
+    fn poll_frame(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, FaultAbort>>> {
+        if let Deferred::Working(work) = self {
+            match work.as_mut().poll(cx) {
+                Poll::Ready(body) => *self = Deferred::Done(body),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        match self {
+            Deferred::Done(body) => Pin::new(body).poll_frame(cx),
+            Deferred::Working(_) => Poll::Pending,
+        }
+    }
 }
 
 impl SimBody {
@@ -105,6 +147,7 @@ impl Body for SimBody {
             },
             SimBody::Sse(sse) => sse.poll_event(cx),
             SimBody::Events(events) => events.poll_event(cx),
+            SimBody::Deferred(deferred) => deferred.poll_frame(cx),
         }
     }
 
@@ -114,6 +157,10 @@ impl Body for SimBody {
             SimBody::Truncated { .. } | SimBody::Stalled { .. } => false,
             SimBody::Sse(sse) => sse.finished,
             SimBody::Events(events) => events.events.is_empty(),
+            SimBody::Deferred(deferred) => match &**deferred {
+                Deferred::Working(_) => false,
+                Deferred::Done(body) => body.is_end_stream(),
+            },
         }
     }
 

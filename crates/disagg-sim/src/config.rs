@@ -495,7 +495,7 @@ pub enum SimRole {
 /// | `GET /health` fails | `health_status` |
 /// | an encoder's answer without its `ec_transfer_params` (E/P/D) | `ec_withhold_params` |
 /// | KV-ready notification late, lost or repeated (LMCache) | `notify_delay`, `notify_loss`, `notify_duplicates` |
-/// | bootstrap never met (SGLang, Mooncake) | a decode whose prefill never gets the request: it answers 500 after [`SimConfig::bootstrap_timeout`], counted in [`Stats::bootstrap_timeouts`](crate::Stats::bootstrap_timeouts) |
+/// | bootstrap never met (SGLang, Mooncake) | a decode whose prefill never gets the request: it answers 500 after [`SimConfig::bootstrap_timeout`] (a streamed vLLM decode: its 200 head at once, the failure in its stream then), counted in [`Stats::bootstrap_timeouts`](crate::Stats::bootstrap_timeouts) |
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Faults {
     /// Answer every completion request with this HTTP status and a vLLM

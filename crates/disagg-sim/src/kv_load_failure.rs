@@ -33,13 +33,24 @@
 //! LMCache's `"KV cache for this request has not arrived (...)"`, saying why); vLLM's
 //! says `"Internal server error"`.
 //!
+//! The head comes first as vLLM's does: a streamed chat or completions decode that takes
+//! remote KV (or waits for KV nobody sends: invalid parameters) gets its 200 head once
+//! its request was read and checked, and the KV's wait is its body's ([`head_first`]):
+//! the stream of a served answer, or the failure's above, follows when the fetch ends
+//! (a peer that never answers: after [`crate::SimConfig::bootstrap_timeout`]). A
+//! request refused before vLLM returns its generator (a bad field, an unknown
+//! data-parallel rank, a fault's status) is still refused in its head. A client that
+//! leaves meanwhile drops the fetch, and the request counts as cancelled (a NIXL decode
+//! tells its prefill to free the blocks, as on any abort before the pull ended).
+//!
 //! Not modelled:
 //!
-//! * the head's timing: vLLM sends the 200 head as soon as the stream generator is
-//!   returned, before the load is even tried; the simulator writes it only once the
-//!   fetch failed (after [`crate::SimConfig::bootstrap_timeout`], for a peer that never
-//!   answers). A proxy's timeout for the decode's head fires on the simulator where,
-//!   against vLLM, the head would have come and the failure followed in the stream;
+//! * the engine core's death on a NIXL decode's `remote_block_ids` that name no block
+//!   (`assert num_external_tokens == 0` in vLLM's scheduler, after the head): the
+//!   simulator answers that request's 500 in its head;
+//! * the head of a streamed request that takes no remote KV: vLLM sends it at once too,
+//!   the simulator only after the request's queueing ([`crate::SimConfig::max_num_seqs`],
+//!   [`crate::SimConfig::request_delay`]) and local prefill;
 //! * chat's `echo`: vLLM writes, after the role chunks, one chunk per choice echoing
 //!   the last message's content when that message's role is the answer's (an
 //!   assistant prefix); the simulator writes none, here as on a served stream;
@@ -71,8 +82,9 @@ pub(crate) struct StreamIds<'a> {
 }
 
 /// Whether a request whose KV load failed is answered with a stream
-/// ([`stream`]): a streamed chat or completions request to a vLLM engine.
-fn streamed(mode: KvMode, request: &CompletionRequest) -> bool {
+/// ([`stream`]): a streamed chat or completions request to a vLLM engine. Such a
+/// request's head goes out before its KV is loaded ([`head_first`]).
+pub(crate) fn streamed(mode: KvMode, request: &CompletionRequest) -> bool {
     mode.is_vllm() && request.stream && request.gen_api.is_none() && request.native.is_none()
 }
 
@@ -95,7 +107,7 @@ pub(crate) fn answer(
 
 /// The streamed answer of a vLLM chat or completions request whose KV load failed with
 /// `error`: a 200 head, then what the module's documentation says.
-fn stream(
+pub(crate) fn stream(
     request: &CompletionRequest,
     error: &ApiError,
     ids: StreamIds<'_>,
@@ -144,13 +156,35 @@ fn stream(
         choice_prompt_tokens,
         error: event,
     };
-    let mut response = Response::new(SimBody::Sse(Box::new(SseBody::new(spec, guard))));
+    sse_response(
+        SimBody::Sse(Box::new(SseBody::new(spec, guard))),
+        ids.header_id,
+    )
+}
+
+/// The answer of a [`streamed`] request that takes remote KV: the 200
+/// `text/event-stream` head at once, then the body `work` makes (the KV's wait, and the
+/// answer or the failure's [`stream`]). vLLM 0.33 returns such a request's stream
+/// generator before the engine tried the load, and Starlette's `StreamingResponse`
+/// sends its head then. A client leaving meanwhile drops `work` where it stands, as
+/// vLLM aborts the request.
+pub(crate) fn head_first(
+    work: impl Future<Output = SimBody> + Send + 'static,
+    header_id: Option<&str>,
+) -> Response<SimBody> {
+    let work = crate::body::Deferred::Working(Box::pin(work));
+    sse_response(SimBody::Deferred(Box::new(work)), header_id)
+}
+
+/// A 200 `text/event-stream` answer with `body`, echoing the request's `X-Request-Id`.
+pub(crate) fn sse_response(body: SimBody, header_id: Option<&str>) -> Response<SimBody> {
+    let mut response = Response::new(body);
     let headers = response.headers_mut();
     headers.insert(
         CONTENT_TYPE,
         HeaderValue::from_static("text/event-stream; charset=utf-8"),
     );
-    if let Some(value) = ids.header_id.and_then(|r| HeaderValue::from_str(r).ok()) {
+    if let Some(value) = header_id.and_then(|r| HeaderValue::from_str(r).ok()) {
         headers.insert("x-request-id", value);
     }
     response

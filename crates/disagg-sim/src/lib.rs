@@ -276,13 +276,14 @@
 //! message is `"Internal server error"`; the simulator's says why. An SGLang decode,
 //! and a decode on another of vLLM's generation routes (`/v1/responses`,
 //! `/v1/messages`, ...: their streams' failure is not modelled), answer the 500
-//! before any response head. Not modelled either: vLLM sends a stream's 200 head at
-//! once, before the load is tried, where the simulator writes it only once the fetch
-//! failed (a proxy's timeout for the decode's head can fire on the simulator where
-//! vLLM's head would have come, the failure following in the stream); the chunks
-//! vLLM writes after the role chunks for a chat's `echo`; and what completions' `echo`
-//! with `logprobs` makes of the failed output (the simulator sends the error event as
-//! for `echo` alone).
+//! before any response head. As vLLM's, the 200 head of a streamed chat or
+//! completions decode that takes remote KV goes out before the fetch is tried, once the
+//! request was read and checked (a bad field is still refused in its head): the fetch's
+//! wait is the body's, and its outcome (the answer, or the failure's stream) follows in
+//! it; a client that leaves meanwhile drops the fetch. Not modelled: the chunks vLLM
+//! writes after the role chunks for a chat's `echo`; and what completions' `echo` with
+//! `logprobs` makes of the failed output (the simulator sends the error event as for
+//! `echo` alone).
 //!
 //! ## vLLM NIXL ([`KvMode::Nixl`], the default): sequential
 //!
@@ -318,7 +319,8 @@
 //!   request."` and `GET /health` 503 ([`Stats::engine_core_deaths`]); with
 //!   block ids but without `remote_engine_id`, `remote_request_id`,
 //!   `remote_host` or `remote_port` the request waits for KV nobody sends,
-//!   until its client leaves ([`Stats::stuck_kv_waits`]).
+//!   until its client leaves ([`Stats::stuck_kv_waits`]; streamed, after its 200
+//!   head).
 //!   With [`SimConfig::decode_handoff`] a decode answers with a
 //!   `kv_transfer_params` of its own (`do_remote_decode: true`, its engine id,
 //!   host, side-channel port and block ids), as vLLM 0.33's bidirectional
@@ -394,7 +396,7 @@
 //!   (`"http://HOST:PORT"`), `remote_engine_id` and `transfer_id` (none, or
 //!   no `do_remote_prefill`: the request is served from its prompt; the flag
 //!   without the three keys: it waits for KV nobody sends, as vLLM's "Got
-//!   invalid KVTransferParams" leaves it). The
+//!   invalid KVTransferParams" leaves it, streamed after its 200 head). The
 //!   decode asks `GET {remote_bootstrap_addr}/query` for the worker address
 //!   of `remote_engine_id`, pulls the transfer from that side channel (see
 //!   below), checks the KV against its own prompt and generates normally,

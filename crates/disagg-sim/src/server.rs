@@ -1151,7 +1151,7 @@ fn has_key(headers: &HeaderMap, key: &str) -> bool {
         && &token[1..] == key.as_bytes()
 }
 
-async fn route<B>(inner: &Inner, req: Request<B>) -> Response<SimBody>
+async fn route<B>(inner: &Arc<Inner>, req: Request<B>) -> Response<SimBody>
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<BoxError>,
@@ -1563,7 +1563,7 @@ fn engine_dead() -> ApiError {
     )
 }
 
-async fn completion<B>(inner: &Inner, route: Route, req: Request<B>) -> Response<SimBody>
+async fn completion<B>(inner: &Arc<Inner>, route: Route, req: Request<B>) -> Response<SimBody>
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<BoxError>,
@@ -1756,15 +1756,8 @@ where
         }
         _ => rank,
     };
-    let served = serve_completion(
-        inner,
-        &request,
-        plan,
-        (&request_id, header_id),
-        cache_rank,
-        faults,
-        guard,
-    );
+    let ids = (request_id, header_id.map(str::to_owned));
+    let served = serve_or_defer(inner, request, plan, ids, cache_rank, faults, guard);
     match served.await {
         Ok(response) => response,
         Err((e, mut guard)) => {
@@ -2259,11 +2252,91 @@ async fn hand_over_rooms(inner: &Inner, elements: &[sglang::Element]) -> Result<
     Ok(())
 }
 
-/// Prefills (locally or from remote KV), generates and renders the answer.
+/// A vLLM NIXL pull decode's pull, as its `kv_transfer_params` make it.
+type NixlPull = Option<Result<kv::PullTarget, KvTransferError>>;
+
+/// Serves a completion request ([`serve_completion`]), after what its plan decides before
+/// any work: a NIXL pull decode's engine core dying, the release notices armed. A
+/// streamed vLLM chat or completions decode that takes remote KV (or waits for KV
+/// nobody sends) gets its head at once and is served in its body, as vLLM's
+/// ([`crate::kv_load_failure::head_first`]).
+async fn serve_or_defer(
+    inner: &Arc<Inner>,
+    request: CompletionRequest,
+    plan: Plan,
+    (request_id, header_id): (String, Option<String>),
+    rank: usize,
+    faults: Faults,
+    mut guard: RequestGuard,
+) -> Result<Response<SimBody>, (ApiError, RequestGuard)> {
+    let config = &inner.config;
+    // vLLM NIXL decode: where to pull the KV from. Until the pull is over, a
+    // cancellation tells the prefill to free the blocks (vLLM's decode worker
+    // does, not to strand them until the lease runs out).
+    let mut stuck = matches!(plan, Plan::Stuck);
+    let nixl_pull: NixlPull = match (&plan, request.kv_transfer_params.as_ref()) {
+        (Plan::Nixl, Some(p)) if truthy(p.get("do_remote_prefill")) => match pull_params(p) {
+            PullParams::Valid => Some(kv::PullTarget::parse(p)),
+            PullParams::Fatal => {
+                let e = die(inner, &request_id, "assert num_external_tokens == 0");
+                return Err((e, guard));
+            }
+            PullParams::Stuck => {
+                stuck = true;
+                None
+            }
+        },
+        _ => None,
+    };
+    if let Some(Ok(target)) = nixl_pull.as_ref().filter(|_| config.release_on_abort) {
+        arm_release(inner, &mut guard, target.clone());
+    }
+    // NIXL push decode: likewise, until its KV arrived, if it knows the
+    // prefill's blocks.
+    if let Plan::PushDecode {
+        release: Some(target),
+        ..
+    } = &plan
+        && config.release_on_abort
+    {
+        arm_release(inner, &mut guard, target.clone());
+    }
+    let remote_kv = stuck
+        || nixl_pull.is_some()
+        || matches!(
+            plan,
+            Plan::PushDecode { .. } | Plan::MooncakeDecode(_) | Plan::LmcacheDecode
+        );
+    if !(remote_kv && crate::kv_load_failure::streamed(config.kv_mode, &request)) {
+        let ids = (request_id.as_str(), header_id.as_deref());
+        let pull = (nixl_pull, stuck);
+        return serve_completion(inner, &request, plan, pull, ids, rank, faults, guard).await;
+    }
+    let head_id = header_id.clone();
+    let inner = inner.clone();
+    let work = async move {
+        let ids = (request_id.as_str(), header_id.as_deref());
+        let pull = (nixl_pull, stuck);
+        match serve_completion(&inner, &request, plan, pull, ids, rank, faults, guard).await {
+            Ok(response) => response.into_body(),
+            // An error after the head is the stream's, as vLLM's generator raises it.
+            Err((e, guard)) => {
+                let ids = stream_ids(&inner, &request, ids.0, ids.1);
+                crate::kv_load_failure::stream(&request, &e, ids, guard).into_body()
+            }
+        }
+    };
+    Ok(crate::kv_load_failure::head_first(work, head_id.as_deref()))
+}
+
+/// Prefills (locally or from remote KV), generates and renders the answer. `nixl_pull`:
+/// the pull of a NIXL decode; `stuck`: the request waits for KV nobody sends.
+#[allow(clippy::too_many_arguments)]
 async fn serve_completion(
     inner: &Inner,
     request: &CompletionRequest,
     plan: Plan,
+    (nixl_pull, stuck): (NixlPull, bool),
     (request_id, header_id): (&str, Option<&str>),
     rank: usize,
     faults: Faults,
@@ -2281,10 +2354,7 @@ async fn serve_completion(
         && !request.beam_search
         && !is_prefill;
 
-    // vLLM NIXL decode: where to pull the KV from. Until the pull is over, a
-    // cancellation tells the prefill to free the blocks (vLLM's decode worker
-    // does, not to strand them until the lease runs out).
-    if matches!(plan, Plan::Stuck) {
+    if stuck {
         bump(&counters.stuck_kv_waits);
         tracing::debug!(
             request_id,
@@ -2293,43 +2363,6 @@ async fn serve_completion(
         // Held until the client leaves; the guard then counts the request as
         // cancelled.
         std::future::pending::<()>().await;
-    }
-    let nixl_pull = match &plan {
-        Plan::Nixl => match params.filter(|p| truthy(p.get("do_remote_prefill"))) {
-            Some(p) => match pull_params(p) {
-                PullParams::Valid => Some(kv::PullTarget::parse(p)),
-                PullParams::Fatal => {
-                    let e = die(inner, request_id, "assert num_external_tokens == 0");
-                    return Err((e, guard));
-                }
-                PullParams::Stuck => {
-                    bump(&counters.stuck_kv_waits);
-                    tracing::debug!(
-                        request_id,
-                        "invalid kv_transfer_params: waiting for KV nobody sends"
-                    );
-                    // Held until the client leaves; the guard then counts the
-                    // request as cancelled.
-                    std::future::pending::<()>().await;
-                    None
-                }
-            },
-            None => None,
-        },
-        _ => None,
-    };
-    if let Some(Ok(target)) = nixl_pull.as_ref().filter(|_| config.release_on_abort) {
-        arm_release(inner, &mut guard, target.clone());
-    }
-    // NIXL push decode: likewise, until its KV arrived, if it knows the
-    // prefill's blocks.
-    if let Plan::PushDecode {
-        release: Some(target),
-        ..
-    } = &plan
-        && config.release_on_abort
-    {
-        arm_release(inner, &mut guard, target.clone());
     }
 
     // vLLM's scheduler: past --max-num-seqs a request waits in the queue, before it

@@ -1,0 +1,334 @@
+//! A streamed vLLM decode that takes remote KV sends its 200 head before the KV is
+//! loaded, as vLLM 0.33 does: Starlette's `StreamingResponse` writes the head as soon
+//! as the stream generator is returned, before the engine tried the load. The load's
+//! wait, its outcome (the answer, or the failure's stream of `kv_load_failure.rs`) and
+//! a client that leaves meanwhile are the body's.
+//!
+//! The decode is sent to a gate in place of its prefill's side channel: the test holds
+//! the decode's connection there until it read the head, then lets it through to the
+//! prefill, closes it, or lets the client leave.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use disagg_sim::{KvMode, SideChannelRelease, SideChannelRequest, SimConfig, SimEngine, SimRole};
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+
+const CHAT: &str = "/v1/chat/completions";
+const COMPLETIONS: &str = "/v1/completions";
+const PROMPT: &str = "the quick brown fox jumps over the lazy dog and then some more words follow \
+    so that the prompt spans several blocks of sixteen tokens each which is what we want here \
+    to test block lists";
+/// How long a head may take before the test fails (a bound on a failure, not a wait
+/// that orders anything: the head, when it comes, comes in milliseconds).
+const HEAD_BOUND: Duration = Duration::from_secs(20);
+
+/// Sends the prefill leg (with `headers`) and returns its `kv_transfer_params`.
+async fn prefill(p: &SimEngine, headers: &[(&str, &str)], path: &str, body: Value) -> Value {
+    let reply = post_with(p.addr(), path, headers, &body).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    reply.json()["kv_transfer_params"].clone()
+}
+
+fn chat_body(params: Value) -> Value {
+    json!({"model": "sim-model", "messages": [{"role": "user", "content": PROMPT}],
+           "max_tokens": 5, "stream": true, "stream_options": {"include_usage": true},
+           "kv_transfer_params": params})
+}
+
+/// Sends a request and waits for its head.
+async fn send_for_head(
+    conn: &mut Conn,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Value,
+) -> http::Response<hyper::body::Incoming> {
+    let sent = conn.send(
+        "POST",
+        path,
+        headers,
+        Some(serde_json::to_vec(&body).unwrap()),
+    );
+    tokio::time::timeout(HEAD_BOUND, sent)
+        .await
+        .expect("no response head")
+}
+
+/// Asserts a streamed answer's head.
+fn assert_stream_head(head: &http::Response<hyper::body::Incoming>) {
+    assert_eq!(head.status(), 200, "{:?}", head.headers());
+    assert_eq!(
+        head.headers()["content-type"],
+        "text/event-stream; charset=utf-8"
+    );
+}
+
+/// A stream's events without their `created` (a clock's second).
+fn without_created(reply: &Reply) -> Vec<Value> {
+    let mut events = reply.events();
+    for e in &mut events {
+        if let Some(o) = e.as_object_mut() {
+            o.remove("created");
+        }
+    }
+    events
+}
+
+/// Relays a gated connection to `to`, both ways, until either side closes.
+fn let_through(mut gated: TcpStream, to: std::net::SocketAddr) {
+    tokio::spawn(async move {
+        let mut upstream = TcpStream::connect(to).await.unwrap();
+        let _ = tokio::io::copy_bidirectional(&mut gated, &mut upstream).await;
+    });
+}
+
+/// A NIXL pull decode gets its head while its pull waits at the gate; let through, the
+/// pull completes and the stream is the one an ungated decode streams.
+#[tokio::test]
+async fn a_streamed_pull_decode_gets_its_head_while_its_pull_waits() {
+    let (p, d) = pair().await;
+    let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
+                     "kv_transfer_params": {"do_remote_decode": true}});
+    let mut gated = prefill(&p, &[], COMPLETIONS, leg.clone()).await;
+    let direct = prefill(&p, &[], COMPLETIONS, leg).await;
+    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    gated["remote_port"] = json!(gate.local_addr().unwrap().port());
+
+    let headers = [("x-request-id", "decode-1")];
+    let mut conn = Conn::open(d.addr()).await;
+    let body = chat_body(gated);
+    let (accepted, head) = tokio::join!(
+        gate.accept(),
+        send_for_head(&mut conn, CHAT, &headers, body.clone())
+    );
+    let (pull, _) = accepted.unwrap();
+    // The head came while the pull is held at the gate: nothing pulled, nothing failed.
+    assert_stream_head(&head);
+    assert_eq!(head.headers()["x-request-id"], "decode-1");
+    let s = d.stats();
+    assert_eq!(
+        (s.remote_decodes, s.kv_pull_failures, s.active_requests),
+        (0, 0, 1)
+    );
+    assert_eq!(p.stats().blocks_held, 6);
+
+    let_through(pull, p.side_channel_addr());
+    let gated = read(head).await;
+    let direct = post_with(d.addr(), CHAT, &headers, &chat_body(direct)).await;
+    assert_eq!(direct.status, 200, "{}", direct.text());
+    assert_eq!(without_created(&gated), without_created(&direct));
+    let content: String = gated
+        .events()
+        .iter()
+        .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(content, disagg_sim::generate(PROMPT, 5, 0).concat());
+    let s = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!(
+        (
+            s.remote_decodes,
+            s.kv_pull_failures,
+            s.local_prefills,
+            s.cancelled
+        ),
+        (2, 0, 0, 0)
+    );
+    assert_eq!(p.stats().blocks_held, 0);
+}
+
+/// A pull that fails after the head (the prefill's side closed without an answer)
+/// ends the stream as a failed KV load does: the role chunk, the error event, `[DONE]`.
+#[tokio::test]
+async fn a_pull_that_fails_after_the_head_ends_the_stream_with_the_error_event() {
+    let (p, d) = pair().await;
+    let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
+                     "kv_transfer_params": {"do_remote_decode": true}});
+    let mut params = prefill(&p, &[], COMPLETIONS, leg).await;
+    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    params["remote_port"] = json!(gate.local_addr().unwrap().port());
+
+    let mut conn = Conn::open(d.addr()).await;
+    let (accepted, head) = tokio::join!(
+        gate.accept(),
+        send_for_head(&mut conn, CHAT, &[], chat_body(params))
+    );
+    assert_stream_head(&head);
+    assert_eq!(
+        d.stats().kv_pull_failures,
+        0,
+        "the head came before the pull failed"
+    );
+    drop(accepted.unwrap());
+    let reply = read(head).await;
+    let events = reply.events();
+    assert_eq!(events.len(), 3, "{}", reply.text());
+    assert_eq!(
+        events[0]["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""})
+    );
+    let message = events[1]["error"]["message"].as_str().unwrap();
+    assert!(message.starts_with("KV transfer failed: "), "{message}");
+    assert_eq!(events[1]["error"]["code"], 500);
+    assert_eq!(events[2], "[DONE]");
+    let s = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!(
+        (s.kv_pull_failures, s.remote_decodes, s.cancelled),
+        (1, 0, 0)
+    );
+}
+
+/// A client that leaves after the head, while the pull waits: the pull is dropped (its
+/// connection closed), the prefill told to free the blocks, and the request counted
+/// out as cancelled.
+#[tokio::test]
+async fn a_client_leaving_while_the_pull_waits_drops_the_pull_and_counts_out() {
+    let (p, d) = pair().await;
+    let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
+                     "kv_transfer_params": {"do_remote_decode": true}});
+    let mut params = prefill(&p, &[], COMPLETIONS, leg).await;
+    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    params["remote_port"] = json!(gate.local_addr().unwrap().port());
+
+    let mut conn = Conn::open(d.addr()).await;
+    let (accepted, head) = tokio::join!(
+        gate.accept(),
+        send_for_head(&mut conn, CHAT, &[], chat_body(params))
+    );
+    assert_stream_head(&head);
+    let (mut pull, _) = accepted.unwrap();
+    assert_eq!(d.stats().active_requests, 1);
+    drop(head);
+    drop(conn);
+
+    // The pull's connection: its request line, then its end.
+    let mut sent = Vec::new();
+    pull.read_to_end(&mut sent).await.unwrap();
+    let line: SideChannelRequest = serde_json::from_slice(&sent).unwrap();
+    assert_eq!(line.engine_id, "prefill-0");
+    // Then the release notice, on a connection of its own, let through to the prefill.
+    let (release, _) = gate.accept().await.unwrap();
+    let mut release = BufReader::new(release);
+    let mut notice = String::new();
+    release.read_line(&mut notice).await.unwrap();
+    let notice: SideChannelRelease = serde_json::from_str(&notice).unwrap();
+    assert_eq!(notice.release, line);
+    let mut upstream = TcpStream::connect(p.side_channel_addr()).await.unwrap();
+    let mut release = release.into_inner();
+    upstream
+        .write_all(notice_line(&notice).as_bytes())
+        .await
+        .unwrap();
+    let _ = tokio::io::copy_bidirectional(&mut release, &mut upstream).await;
+
+    let s = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!(
+        (
+            s.cancelled,
+            s.kv_releases_sent,
+            s.kv_pull_failures,
+            s.remote_decodes
+        ),
+        (1, 1, 0, 0)
+    );
+    let ps = wait_for(&p, |s| s.blocks_held == 0).await;
+    assert_eq!(ps.kv_released_on_abort, 1);
+}
+
+fn notice_line(notice: &SideChannelRelease) -> String {
+    let mut line = serde_json::to_string(notice).unwrap();
+    line.push('\n');
+    line
+}
+
+/// A NIXL push decode gets its head while its registration waits at the gate; let
+/// through, the prefill pairs it and the stream is the answer.
+#[tokio::test]
+async fn a_streamed_push_decode_gets_its_head_while_its_registration_waits() {
+    let engine = |id: &str| SimConfig {
+        kv_mode: KvMode::NixlPush,
+        engine_id: Some(id.into()),
+        ..SimConfig::default()
+    };
+    let p = SimEngine::start(engine("prefill-0")).await.unwrap();
+    let d = SimEngine::start(engine("decode-0")).await.unwrap();
+    let headers = [("x-request-id", "req-1")];
+    let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
+                     "kv_transfer_params": {"do_remote_decode": true}});
+    let mut params = prefill(&p, &headers, COMPLETIONS, leg).await;
+    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    params["remote_port"] = json!(gate.local_addr().unwrap().port());
+    let body = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 5,
+                      "stream": true, "kv_transfer_params": params});
+
+    let mut conn = Conn::open(d.addr()).await;
+    let (accepted, head) = tokio::join!(
+        gate.accept(),
+        send_for_head(&mut conn, COMPLETIONS, &headers, body)
+    );
+    assert_stream_head(&head);
+    assert_eq!((d.stats().remote_decodes, p.stats().blocks_held), (0, 3));
+    let_through(accepted.unwrap().0, p.side_channel_addr());
+    let reply = read(head).await;
+    let events = reply.events();
+    let text: String = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(text, disagg_sim::generate(PROMPT, 5, 0).concat());
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let s = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!((s.remote_decodes, s.kv_pull_failures), (1, 0));
+    assert_eq!(p.stats().blocks_held, 0);
+}
+
+/// A Mooncake decode asked for remote KV it cannot name ("Got invalid
+/// KVTransferParams") waits for KV nobody sends: streamed, after its head, until the
+/// client leaves; it is then counted out.
+#[tokio::test]
+async fn a_stuck_streamed_mooncake_decode_sends_its_head_and_waits_until_the_client_leaves() {
+    let d = SimEngine::start(SimConfig {
+        kv_mode: KvMode::Mooncake(SimRole::Decode),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let body = chat_body(json!({"do_remote_prefill": true, "do_remote_decode": false,
+                                "transfer_id": "t"}));
+    let mut conn = Conn::open(d.addr()).await;
+    let head = send_for_head(&mut conn, CHAT, &[], body).await;
+    assert_stream_head(&head);
+    let s = wait_for(&d, |s| s.stuck_kv_waits == 1).await;
+    assert_eq!(s.active_requests, 1);
+    drop(head);
+    drop(conn);
+    let s = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!((s.cancelled, s.remote_decodes, s.local_prefills), (1, 0, 0));
+}
+
+/// Not streamed, vLLM answers at the end: a decode whose pull fails gets its 500 head
+/// only then.
+#[tokio::test]
+async fn a_pull_decode_not_streamed_answers_its_failure_in_the_head() {
+    let (p, d) = pair().await;
+    let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
+                     "kv_transfer_params": {"do_remote_decode": true}});
+    let mut params = prefill(&p, &[], COMPLETIONS, leg).await;
+    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    params["remote_port"] = json!(gate.local_addr().unwrap().port());
+    let mut body = chat_body(params);
+    body["stream"] = json!(false);
+    body.as_object_mut().unwrap().remove("stream_options");
+    let mut conn = Conn::open(d.addr()).await;
+    let head = conn.send("POST", CHAT, &[], Some(serde_json::to_vec(&body).unwrap()));
+    // The pull held at the gate, then refused: only then does the head come, a 500.
+    let refused = async {
+        drop(gate.accept().await.unwrap());
+    };
+    let (head, ()) = tokio::join!(head, refused);
+    let reply = read(head).await;
+    assert_transfer_failed(&reply, "");
+}
