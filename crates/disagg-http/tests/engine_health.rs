@@ -20,8 +20,10 @@ use std::time::Duration;
 
 use disagg_connectors::vllm::VllmNixl;
 use disagg_core::orchestrator::OrchestratorConfig;
+use disagg_core::outcome::Delivery;
 use disagg_core::source::EndpointSource;
 use disagg_core::{Endpoint, Orchestrator, Role, source::StaticSource};
+use disagg_http::routed::{RouteListener, RouteSummary};
 use disagg_http::server::Builder;
 use disagg_http::{HttpTransport, PdService, PdServiceConfig, RouteTable};
 use disagg_resilience::health::{EndpointHealth, HealthConfig, HealthSource};
@@ -116,6 +118,26 @@ async fn proxy(
     failure_threshold: u32,
     config: OrchestratorConfig,
 ) -> (SocketAddr, HealthSource) {
+    proxy_told(decodes, failure_threshold, config, None).await
+}
+
+/// Every route summary told.
+#[derive(Clone, Default)]
+struct Routes(Arc<std::sync::Mutex<Vec<RouteSummary>>>);
+
+impl RouteListener for Routes {
+    fn on_route(&self, summary: &RouteSummary) {
+        self.0.lock().unwrap().push(summary.clone());
+    }
+}
+
+/// [`proxy`], its route summaries told to `routes`.
+async fn proxy_told(
+    decodes: &[&str],
+    failure_threshold: u32,
+    config: OrchestratorConfig,
+    routes: Option<Routes>,
+) -> (SocketAddr, HealthSource) {
     let endpoints = decodes
         .iter()
         .map(|url| Endpoint::new(url, Role::Decode).unwrap());
@@ -128,6 +150,9 @@ async fn proxy(
             .build();
     let mut service_config = PdServiceConfig::default();
     service_config.routes = RouteTable::default().admin_routes(true);
+    if let Some(routes) = routes {
+        service_config.route_listeners.push(routes);
+    }
     let service = PdService::with_config(orchestrator, service_config);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -505,10 +530,12 @@ async fn an_error_event_in_a_whole_stream_counts_as_its_code_says() {
     // A 200 event stream that carries the engine's own error event is no served answer:
     // with a 5xx code it is the engine's failure (one ejects it here), with a 4xx code
     // the request's (its answer counts as a 4xx head's does). The stream reaches the
-    // client whole either way.
+    // client whole either way, and the route's summary says it broke.
     for path in ROUTES {
         let (engine, _) = raw_engine().await;
-        let (addr, source) = proxy(&[&engine], 1, OrchestratorConfig::default()).await;
+        let routes = Routes::default();
+        let config = OrchestratorConfig::default();
+        let (addr, source) = proxy_told(&[&engine], 1, config, Some(routes.clone())).await;
         let ep = endpoint(&source, &engine);
         let health = source.health();
         let (status, text) = post(addr, path, "do-event-400").await;
@@ -528,6 +555,18 @@ async fn an_error_event_in_a_whole_stream_counts_as_its_code_says() {
             ejected(health.state(&ep)),
             "{path}: {:?} after an error event",
             health.state(&ep)
+        );
+        let told: Vec<(u16, Delivery)> = routes
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|s| (s.status.as_u16(), s.delivery))
+            .collect();
+        assert_eq!(
+            told,
+            [(200, Delivery::Broken), (200, Delivery::Broken)],
+            "{path}"
         );
     }
 }
