@@ -86,6 +86,31 @@ fn let_through(mut gated: TcpStream, to: std::net::SocketAddr) {
     });
 }
 
+/// A streamed chat's decode whose pull is sent to a gate in place of `p`'s side
+/// channel: the gate (which later connections to the side channel reach too), the
+/// gated pull's connection, the head, and the client's connection (kept open).
+async fn gated_pull(
+    p: &SimEngine,
+    d: &SimEngine,
+) -> (
+    TcpListener,
+    TcpStream,
+    http::Response<hyper::body::Incoming>,
+    Conn,
+) {
+    let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
+                     "kv_transfer_params": {"do_remote_decode": true}});
+    let mut params = prefill(p, &[], COMPLETIONS, leg).await;
+    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    params["remote_port"] = json!(gate.local_addr().unwrap().port());
+    let mut conn = Conn::open(d.addr()).await;
+    let (accepted, head) = tokio::join!(
+        gate.accept(),
+        send_for_head(&mut conn, CHAT, &[], chat_body(params))
+    );
+    (gate, accepted.unwrap().0, head, conn)
+}
+
 /// A NIXL pull decode gets its head while its pull waits at the gate; let through, the
 /// pull completes and the stream is the one an ungated decode streams.
 #[tokio::test]
@@ -145,24 +170,14 @@ async fn a_streamed_pull_decode_gets_its_head_while_its_pull_waits() {
 #[tokio::test]
 async fn a_pull_that_fails_after_the_head_ends_the_stream_with_the_error_event() {
     let (p, d) = pair().await;
-    let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
-                     "kv_transfer_params": {"do_remote_decode": true}});
-    let mut params = prefill(&p, &[], COMPLETIONS, leg).await;
-    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    params["remote_port"] = json!(gate.local_addr().unwrap().port());
-
-    let mut conn = Conn::open(d.addr()).await;
-    let (accepted, head) = tokio::join!(
-        gate.accept(),
-        send_for_head(&mut conn, CHAT, &[], chat_body(params))
-    );
+    let (_gate, accepted, head, _conn) = gated_pull(&p, &d).await;
     assert_stream_head(&head);
     assert_eq!(
         d.stats().kv_pull_failures,
         0,
         "the head came before the pull failed"
     );
-    drop(accepted.unwrap());
+    drop(accepted);
     let reply = read(head).await;
     let events = reply.events();
     assert_eq!(events.len(), 3, "{}", reply.text());
@@ -187,19 +202,9 @@ async fn a_pull_that_fails_after_the_head_ends_the_stream_with_the_error_event()
 #[tokio::test]
 async fn a_client_leaving_while_the_pull_waits_drops_the_pull_and_counts_out() {
     let (p, d) = pair().await;
-    let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
-                     "kv_transfer_params": {"do_remote_decode": true}});
-    let mut params = prefill(&p, &[], COMPLETIONS, leg).await;
-    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    params["remote_port"] = json!(gate.local_addr().unwrap().port());
-
-    let mut conn = Conn::open(d.addr()).await;
-    let (accepted, head) = tokio::join!(
-        gate.accept(),
-        send_for_head(&mut conn, CHAT, &[], chat_body(params))
-    );
+    let (gate, accepted, head, conn) = gated_pull(&p, &d).await;
     assert_stream_head(&head);
-    let (mut pull, _) = accepted.unwrap();
+    let mut pull = accepted;
     assert_eq!(d.stats().active_requests, 1);
     drop(head);
     drop(conn);
