@@ -371,6 +371,9 @@ pub(crate) struct StreamTimer {
     /// message, is the proxy's, each step within a budget of its own and the deadline,
     /// not a silence of the decode's stream.
     last: Option<Instant>,
+    /// Held (`last` unset) until the concurrent prefill riding in the stream answered,
+    /// or a chunk came, whichever is first.
+    prefill: bool,
     endpoint: EndpointId,
 }
 
@@ -392,11 +395,32 @@ impl StreamTimer {
             idle,
             deadline,
             last: (!held).then_some(now),
+            prefill: false,
             endpoint: endpoint.clone(),
         };
         let at = t.limit();
         t.sleep.as_mut().reset(at);
         Some(t)
+    }
+
+    /// The same timer, its idle time held until the concurrent prefill of the stream
+    /// answered or a chunk came (the deadline runs all along).
+    pub(crate) fn until_prefill(mut self) -> Self {
+        if self.last.take().is_some() {
+            self.prefill = true;
+            let at = self.limit();
+            self.sleep.as_mut().reset(at);
+        }
+        self
+    }
+
+    /// Start the idle time now, when it was held for the concurrent prefill.
+    fn start(&mut self) {
+        if std::mem::take(&mut self.prefill) {
+            self.last = Some(Instant::now());
+            let at = self.limit();
+            self.sleep.as_mut().reset(at);
+        }
     }
 
     /// When the stream must have said something (or ended) by.
@@ -416,6 +440,7 @@ impl StreamTimer {
 
     /// A chunk arrived.
     fn chunk(&mut self) {
+        self.start();
         if let (Some(_), Some(last)) = (self.idle, self.last.as_mut()) {
             *last = Instant::now();
         }
@@ -430,7 +455,7 @@ impl StreamTimer {
         cx: &mut Context<'_>,
         flowing: impl FnOnce() -> bool,
     ) -> Option<PdError> {
-        if self.last.is_none() {
+        if self.last.is_none() && !self.prefill {
             if !flowing() {
                 return None;
             }
@@ -752,6 +777,9 @@ impl PdBody {
             && let Poll::Ready(result) = prefill.get_mut().as_mut().poll(cx)
         {
             *this.prefill = None;
+            if let Some(t) = this.timer.as_mut() {
+                t.get_mut().start();
+            }
             if let Err(e) = result {
                 // Drop the decode leg now: without the KV it has nothing to say.
                 this.inner.set(empty_body());

@@ -398,12 +398,20 @@ impl Inner {
         // body: the KV gate, the head and an error head's message have budgets of their
         // own.
         let timer = guard.as_ref().and_then(|g| {
-            StreamTimer::new(
+            let timer = StreamTimer::new(
                 self.config.decode_idle_timeout,
                 clock.deadline,
                 g.endpoint().id(),
                 late.as_ref().is_some_and(|l| l.lead),
-            )
+            )?;
+            // While a concurrent prefill still runs, the decode's silence is its wait for
+            // the KV (vLLM sends its head before it loads it): the prefill's own budget
+            // bounds that, and the idle time counts once it answered or a chunk came.
+            Some(if pending.is_some() {
+                timer.until_prefill()
+            } else {
+                timer
+            })
         });
         // A migrating body holds the decode (its in-flight count, the router's place),
         // which it gives back when the decode's stream ends or is abandoned.

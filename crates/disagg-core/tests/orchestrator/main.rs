@@ -1065,6 +1065,33 @@ async fn a_stream_gone_silent_ends_with_a_decode_idle_timeout_event() {
     assert_settled(&orch);
 }
 
+/// Both legs at once (SGLang's bootstrap; vLLM Mooncake alike): the decode's head comes
+/// at once, as vLLM sends it before it loads the KV, and its first chunk only after the
+/// prefill answered (500 ms, past the 300 ms idle limit). That wait is the prefill's,
+/// bounded by its own budget: the stream is served, and the decode's idle time counts
+/// from the prefill's answer (the stall after the first chunk, at 520 ms, ends it at
+/// 820 ms).
+#[tokio::test(start_paused = true)]
+async fn a_decode_silent_while_its_concurrent_prefill_runs_is_not_idle() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, Reply::json(200, r#"{"id":"p"}"#).after(ms(500)));
+    fake.on(D1, CHAT, Reply::sse().frame(ms(520), event(0)).stall());
+    let connector = SglangBootstrap::with_rooms(Rooms::from_seed(7));
+    let orch = orchestrator(&fake, &[P1], connector, |c| {
+        c.decode_idle_timeout = Some(ms(300))
+    });
+    let t0 = Instant::now();
+    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    assert_eq!(t0.elapsed(), ms(0), "the decode's head came at once");
+    assert_eq!(data(&mut body).await, event(0));
+    assert_eq!(t0.elapsed(), ms(520));
+    let err = error_event(&data(&mut body).await);
+    assert_eq!(err["code"], "decode_idle_timeout");
+    assert_eq!(t0.elapsed(), ms(820));
+    assert!(next(&mut body).await.is_none());
+    assert_settled(&orch);
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_deadline_ends_a_running_stream_with_deadline_exceeded() {
     let fake = Fake::new();
