@@ -5,22 +5,31 @@
 //! (nothing, once the prefill failed), [`complete`](KvHold::complete) (the decode leg
 //! that would take the KV, once the handoff is folded in; nothing when the answer carried
 //! none), and [`taken`](KvHold::taken), which consumes the hold once the decode's
-//! engine accepted its leg. A hold dropped any other way (the client left, a budget ran
-//! out, the decode refused its leg) releases what it holds, when
+//! engine accepted its leg: when the first frame of its 2xx answer came
+//! ([`until_first_frame`](KvHold::until_first_frame)), not at its head, which vLLM sends
+//! for a stream before it loads the KV. A hold dropped any other way (the client left,
+//! a budget ran out, the decode refused its leg or its answer broke before its first
+//! frame) releases what it holds, when
 //! [`KvRelease::AbortDecode`](super::KvRelease::AbortDecode) is on: there is no disarm
 //! call to forget.
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use sync_wrapper::SyncWrapper;
 
 use std::sync::atomic::Ordering::Relaxed;
 
 use super::stats::{Counters, bump};
 use crate::connector::{Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer};
+use crate::error::BoxError;
 use crate::error::{PdError, Phase, Side};
 use crate::request::Api;
-use crate::transport::Transport;
+use crate::transport::{BoxBody, Transport};
 
 use super::clock::{Clock, within};
 use super::legs::{PrefillResult, http_request};
@@ -139,6 +148,58 @@ impl KvHold {
     /// The decode's engine accepted its leg: the KV is the engine's business now.
     pub(super) fn taken(mut self) {
         self.stage = Stage::Nothing;
+    }
+
+    /// The decode's 2xx answer `body`, holding the KV until its first frame (or its
+    /// end): vLLM sends a stream's head before it loads the KV, so a client that
+    /// leaves between the head and the first chunk leaves the load unfinished, and the
+    /// prefill's blocks are released as when it leaves before the head. Without early
+    /// release the hold only tracks: taken now, the body as it is.
+    pub(super) fn until_first_frame(self, body: BoxBody) -> BoxBody {
+        if self.release.is_none() || matches!(self.stage, Stage::Nothing) {
+            self.taken();
+            return body;
+        }
+        BoxBody::new(Holding {
+            inner: body,
+            hold: Some(SyncWrapper::new(self)),
+        })
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A decode's answer that holds the prefill's KV until its first frame.
+    struct Holding {
+        #[pin]
+        inner: BoxBody,
+        hold: Option<SyncWrapper<KvHold>>,
+    }
+}
+
+impl Body for Holding {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.project();
+        let polled = this.inner.poll_frame(cx);
+        if matches!(polled, Poll::Ready(Some(Ok(_)) | None))
+            && let Some(hold) = this.hold.take()
+        {
+            hold.into_inner().taken();
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }
 

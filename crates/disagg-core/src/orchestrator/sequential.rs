@@ -101,8 +101,8 @@ impl Inner {
         };
         tl.decode_head = Some(now());
         let head = if head.status().is_success() {
-            hold.taken();
-            reshaped(&handoff, head)
+            // The KV is the engine's once its answer's first frame came.
+            reshaped(&handoff, head.map(|body| hold.until_first_frame(body)))
         } else {
             // The decode refused its leg and took no KV: `hold` drops below and releases
             // it when asked to.
@@ -226,9 +226,10 @@ impl Inner {
                     error_message(body, limit, left).await,
                 ));
             }
-            hold.taken();
-            // The decode's body flows from here: its idle time counts from now.
+            // The decode's body flows from here: its idle time counts from now (the KV
+            // the engine's once its first frame came).
             marked.decode_flowing.store(true, Ordering::Relaxed);
+            let head = head.map(|body| hold.until_first_frame(body));
             Ok(reshaped(&handoff, head).into_body())
         });
         let body = BoxBody::new(LeadBody::deferred(lead, pending));

@@ -699,6 +699,45 @@ async fn a_client_leaving_while_the_decode_is_queued_releases_the_kv_at_once() {
     assert_settled(&orch);
 }
 
+/// vLLM sends a streamed decode's head before it loads the KV: a client that leaves
+/// after the head but before the first chunk left the load unfinished, and the KV is
+/// released as when it leaves before the head. Once a chunk came, the KV was the
+/// engine's: nothing is released.
+#[tokio::test(start_paused = true)]
+async fn a_client_leaving_between_the_decodes_head_and_first_chunk_releases_the_kv() {
+    for (what, chunks, released) in [("before", 0, 1), ("after", 1, 0)] {
+        let fake = Fake::new();
+        fake.on(P1, CHAT, prefill_answer());
+        fake.on(
+            D1,
+            CHAT,
+            Reply::sse()
+                .frame(ms(100), event(0))
+                .frame(ms(400), event(1)),
+        );
+        let orch = nixl(&fake, release_on);
+        let resp = serve(&orch, chat(&orch)).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK, "{what}");
+        let mut body = resp.into_body();
+        for i in 0..chunks {
+            assert_eq!(data(&mut body).await, event(i), "{what}");
+        }
+        sleep(ms(50)).await;
+        drop(body);
+        sleep(ms(3000)).await;
+        let calls = fake.calls();
+        assert_eq!(
+            (calls.len(), orch.stats().kv_releases),
+            (2 + released, released as u64),
+            "{what}: {calls:?}"
+        );
+        if released == 1 {
+            assert_release_leg(&calls[2], &calls[0]);
+        }
+        assert_settled(&orch);
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_prefill_answering_after_grace_is_aborted_and_nothing_is_sent() {
     let fake = Fake::new();
