@@ -230,13 +230,11 @@ impl Shared {
         let bidi = args.bidi.store(args.connector)?;
         let reuse_stats = Arc::new(disagg_connectors::vllm::ReuseStats::default());
         let nixl = args.connector == ConnectorArg::Nixl;
-        // LMCache's probe of a prefill's context length is a `/tokenize` as the token
-        // reading routers' is, and must end well within the handoff budget that
-        // bounds the plan's resolution (or the budget's 504 wins over carrying the
-        // request with its limit unchecked).
-        let context_probe = args
-            .kv_events
-            .tokenize_timeout()?
+        // LMCache's probe of a prefill's context length has its own bound (2 s, not
+        // the routers' --tokenize-timeout, whose 0 would fail every probe at once),
+        // at most half the handoff budget that bounds the plan's resolution (or the
+        // budget's 504 wins over carrying the request with its limit unchecked).
+        let context_probe = disagg_connectors::lmcache::CONTEXT_PROBE_TIMEOUT
             .min(secs(args.reliability.handoff_timeout, "handoff-timeout")? / 2);
         let connector = args.connector.connector(
             notifications,

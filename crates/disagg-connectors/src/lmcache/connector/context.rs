@@ -16,21 +16,31 @@
 //! So the probe is asked about once per engine and model every 10 s, and not at all
 //! while prompts of text keep reaching that engine's `/tokenize`. Requests that miss
 //! together (before the first answer, or once it expired) share one probe: the first
-//! asks, the others wait for its answer (no lock is held across the call: the entry of
-//! a probe under way holds a channel its asker answers on, and is removed when that
-//! asker is done or dropped). Not strictly once:
+//! sends it and spawns a task that reads its answer, and every request, that one
+//! included, waits for the task to tell it (no lock is held across the call: the
+//! entry of a probe under way holds the channel its task answers on, and is removed
+//! when the task is done). The task does not depend on the requests: one dropped (its
+//! client gone) or never polled again leaves it running, and it still remembers what
+//! it learned. It tells everyone its outcome, each request taking it as its own: a
+//! length, a failure on the engine's side, and also a refusal of the client's (the
+//! `model` the prefill does not serve or refuses: 404, 400/422, each request's 400
+//! with the engine's words) or the proxy's loss (a job the blocking pool lost),
+//! which teach nothing and are not remembered. Not strictly once:
 //!
 //! - a request the remembered length would refuse asks afresh (below), or joins a
 //!   probe under way, so each of a run of requests whose limits the context cannot
 //!   hold asks;
-//! - a probe that learns nothing (the client's 404 or 400/422 for its `model`, a job
-//!   the blocking pool lost) answers no one: the requests waiting on it ask in turn,
-//!   as do those whose asker was dropped (its client gone);
-//! - at most [`MAX_ENGINES`] probes are shared at once: a miss beyond them asks alone.
+//! - a probe that learned nothing (a refusal, a loss) is asked again by the next
+//!   request that misses after it ended;
+//! - at most [`MAX_ENGINES`] probes are shared at once: a miss beyond them asks alone
+//!   (its own probe, within its own time, not spawned).
 //!
-//! A request waits at most [`CONTEXT_PROBE_TIMEOUT`] (2 s, or
-//! [`Lmcache::with_context_probe_timeout`]) for the length, from the moment it starts
-//! asking or waiting, whoever asks: past it the probe has failed on the engine's side.
+//! A probe has at most [`CONTEXT_PROBE_TIMEOUT`] (2 s, or
+//! [`Lmcache::with_context_probe_timeout`]; zero is read as that default) from when it
+//! is sent: past it the probe has failed on the engine's side, and only then is a
+//! failure for want of time remembered. A request waits for the probe it joined at
+//! most until that probe ends, which is never later than that time from when the
+//! request began to wait (the probe began no later), and the task never outlives it.
 //! (An engine that took the connection and never answered would otherwise hold the
 //! request until the orchestrator's handoff budget, 10 s by default, failed it: 504.)
 //!
@@ -72,16 +82,17 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, Rw
 use std::time::Duration;
 
 use disagg_core::endpoint::Endpoint;
-use disagg_core::error::{ConnectorError, error_chain};
-use disagg_core::transport::Transport;
+use disagg_core::error::{ConnectorError, TransportError, error_chain};
+use disagg_core::transport::{ResponseFuture, Transport};
 use disagg_tokenize::prompt::BlockingLimit;
 use http::Uri;
+use http::header::{CONTENT_TYPE, HeaderValue};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::ids::context_length;
+use super::ids::{context_body, context_length};
 use super::limit::{check_limit, check_min_tokens, needs_context};
-use super::{Lmcache, Plan};
+use super::{Lmcache, Plan, refused};
 
 /// How long the [`Lmcache`] connector waits by default for a prefill's `/tokenize` to
 /// tell its context length ([`Lmcache::with_context_probe_timeout`]): 2 s, the
@@ -91,15 +102,18 @@ use super::{Lmcache, Plan};
 pub const CONTEXT_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl Lmcache {
-    /// Wait at most `timeout` (default [`CONTEXT_PROBE_TIMEOUT`], 2 s) for a prefill's
-    /// `/tokenize` to tell its context length, when a request whose ids were known
-    /// needs it and none is remembered: counted from when the request starts asking,
-    /// or waiting on the probe another request asked for the same engine and model.
-    /// Past it the probe has failed on the engine's side: a request with a limit is
-    /// carried with its limit's room unchecked (and the failure remembered for 10 s),
-    /// one without a limit fails (502, the prefill named). Keep it below the
-    /// orchestrator's `handoff_timeout` (10 s by default), which bounds the whole
-    /// resolution of the plan and fails the request (504) when it passes first.
+    /// Give a prefill's `/tokenize` at most `timeout` (default
+    /// [`CONTEXT_PROBE_TIMEOUT`], 2 s; zero is read as that default, not as no time)
+    /// to tell its context length, when a request whose ids were known needs it and
+    /// none is remembered. The requests that miss together share one probe, which has
+    /// that time from when it is sent, whichever of them are still waiting; each waits
+    /// until it ends, never longer than `timeout` from when that request began to
+    /// wait. Past it the probe has failed on the engine's side (remembered for 10 s):
+    /// a request with a limit is carried with its limit's room unchecked, one without
+    /// a limit fails (502, the prefill named).
+    /// Keep it below the orchestrator's `handoff_timeout` (10 s by default), which
+    /// bounds the whole resolution of the plan and fails the request (504) when it
+    /// passes first.
     #[must_use]
     pub fn with_context_probe_timeout(mut self, timeout: Duration) -> Self {
         self.contexts.set_timeout(timeout);
@@ -123,25 +137,34 @@ const MAX_MODEL_KEY: usize = 1024;
 /// and the probes under way.
 #[derive(Debug)]
 pub(super) struct ContextLengths {
-    /// Where the entries' times count from.
-    epoch: Instant,
-    /// How long a request waits for the length it asks, or waits on another's probe for.
+    /// How long a probe may take, and a request wait for one.
     timeout: Duration,
-    engines: RwLock<HashMap<Key, Learned>>,
-    /// The probes under way, by entry: where their askers answer. An entry lives as
-    /// long as its asker's [`Flight`].
-    flights: Mutex<HashMap<Key, Answers>>,
+    /// What was learned and the probes under way, shared with the probes' tasks.
+    memory: Arc<Memory>,
 }
 
 impl Default for ContextLengths {
     fn default() -> Self {
         ContextLengths {
-            epoch: Instant::now(),
             timeout: CONTEXT_PROBE_TIMEOUT,
-            engines: RwLock::default(),
-            flights: Mutex::default(),
+            memory: Arc::new(Memory {
+                epoch: Instant::now(),
+                engines: RwLock::default(),
+                flights: Mutex::default(),
+            }),
         }
     }
+}
+
+/// The entries learned, and the probes under way.
+#[derive(Debug)]
+struct Memory {
+    /// Where the entries' times count from.
+    epoch: Instant,
+    engines: RwLock<HashMap<Key, Learned>>,
+    /// The probes under way, by entry: where their tasks answer. An entry lives as
+    /// long as its task's [`Flight`].
+    flights: Mutex<HashMap<Key, Answers>>,
 }
 
 /// An entry's key: the prefill's `/tokenize` address and the request's `model`, as
@@ -152,8 +175,8 @@ struct Key {
     model: Option<Box<[u8]>>,
 }
 
-/// What an engine told, and when (nanoseconds after [`ContextLengths::epoch`], moved
-/// on in place by an answer that tells the same).
+/// What an engine told, and when (nanoseconds after [`Memory::epoch`], moved on in
+/// place by an answer that tells the same).
 #[derive(Debug)]
 struct Learned {
     told: Told,
@@ -170,27 +193,54 @@ enum Told {
 }
 
 /// Where the requests waiting on a probe read its answer: `None` until it comes. The
-/// channel closes without one when the probe learned nothing, or its asker was dropped.
+/// channel closes without one only when the probe's task was dropped unfinished (it
+/// panicked, or the runtime is shutting down).
 type Answers = watch::Receiver<Option<Answer>>;
 
-/// A probe's answer, as the requests that waited on it take it.
+/// A probe's outcome, as each request that waited on it takes it: the same as the
+/// probe's own result, made anew for each.
 #[derive(Debug, Clone)]
 enum Answer {
     /// The engine's length (`None`: its answer gave none).
     Length(Option<u64>),
     /// The probe failed on the engine's side: why.
     Failed(Arc<str>),
+    /// The client's request refused (a `model` the prefill does not serve or
+    /// refuses: 404, 400/422): what, with the engine's words.
+    Refused(Arc<str>),
+    /// No length for a reason of the proxy's or the operator's (a job the blocking
+    /// pool lost): why.
+    Lost(Arc<str>),
 }
 
 impl Answer {
-    /// The answer as a waiting request's own probe on `ep` would have had it.
+    /// The outcome `asked` of a probe, to be told to the requests waiting on it.
+    fn of(asked: &Result<Option<u64>, ConnectorError>) -> Answer {
+        match asked {
+            Ok(length) => Answer::Length(*length),
+            Err(ConnectorError::Engine { source, .. }) => {
+                Answer::Failed(error_chain(&**source).into())
+            }
+            Err(ConnectorError::Unsupported { what, .. }) => Answer::Refused(what.as_str().into()),
+            Err(ConnectorError::NotReady { reason }) => Answer::Lost(reason.as_str().into()),
+            Err(e) => Answer::Lost(error_chain(e).into()),
+        }
+    }
+
+    /// The answer as a waiting request's own probe on `ep` would have had it: a
+    /// refusal is the client's (400) and a loss the proxy's, as they were for the
+    /// probe; only a failure on the engine's side names the engine.
     fn taken(self, ep: &Endpoint) -> Result<Option<u64>, ConnectorError> {
         match self {
             Answer::Length(length) => Ok(length),
             Answer::Failed(why) => Err(ConnectorError::Engine {
                 endpoint: ep.id().clone(),
                 what: "/tokenize",
-                source: Box::new(Waited(why)),
+                source: Box::new(Shared(why)),
+            }),
+            Answer::Refused(what) => Err(refused(&*what)),
+            Answer::Lost(why) => Err(ConnectorError::NotReady {
+                reason: why.to_string(),
             }),
         }
     }
@@ -201,38 +251,71 @@ impl Answer {
 #[error("no answer within {0:?}")]
 struct Unanswered(Duration);
 
-/// The failure of the probe a request waited on, which another request asked.
+/// The failure on the engine's side of the probe a request waited on (every request
+/// that missed, the one that sent it among them, waits on the probe's task).
 #[derive(Debug, thiserror::Error)]
-#[error("{0} (the probe of a request this one waited on)")]
-struct Waited(Arc<str>);
+#[error("{0} (the probe shared by the requests that missed together)")]
+struct Shared(Arc<str>);
 
-/// A probe under way, its entry in [`ContextLengths::flights`] removed when it is
-/// dropped (asked, or its request gone): the requests waiting on it then read its
-/// answer, or ask themselves when it gave none.
-struct Flight<'a> {
-    lengths: &'a ContextLengths,
+/// A probe under way, owned by its task: its entry in [`Memory::flights`] removed
+/// when it is [`finish`](Self::finish)ed, or dropped unfinished (the task panicked,
+/// or the runtime is shutting down: its channel then closes without an answer).
+struct Flight {
+    memory: Arc<Memory>,
     key: Key,
     answer: watch::Sender<Option<Answer>>,
 }
 
-impl Drop for Flight<'_> {
+impl Flight {
+    /// Tell `answer` to the requests waiting, the entry removed first: one that comes
+    /// after finds what was learned remembered, or asks anew.
+    fn finish(self, answer: Answer) {
+        self.memory.landed(&self.key, &self.answer);
+        self.answer.send_replace(Some(answer));
+    }
+}
+
+impl Drop for Flight {
     fn drop(&mut self) {
-        let mut flights = self.lengths.flights();
-        if flights
-            .get(&self.key)
-            .is_some_and(|answers| answers.same_channel(&self.answer.subscribe()))
-        {
-            flights.remove(&self.key);
-        }
+        self.memory.landed(&self.key, &self.answer);
+    }
+}
+
+/// The transport of a shared probe's task: the probe's `/tokenize` already sent
+/// through the request's own transport (whose futures are `'static`, so that they may
+/// be spawned), handed to [`context_length`] as the answer to its one call.
+struct Sent(Mutex<Option<ResponseFuture>>);
+
+impl Sent {
+    /// The probe of `key` (the request [`context_length`] makes for its `model`, to its
+    /// `/tokenize`: a JSON `POST`), sent through `transport`.
+    fn new(transport: &dyn Transport, key: &Key) -> Sent {
+        let mut req = http::Request::new(context_body(key.model.as_deref()));
+        *req.method_mut() = http::Method::POST;
+        *req.uri_mut() = key.tokenize.clone();
+        req.headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        Sent(Mutex::new(Some(transport.send(req))))
+    }
+}
+
+impl Transport for Sent {
+    fn send(&self, _req: http::Request<bytes::Bytes>) -> ResponseFuture {
+        let sent = self.0.lock().unwrap_or_else(PoisonError::into_inner).take();
+        sent.unwrap_or_else(|| {
+            Box::pin(async {
+                Err(TransportError::Io(
+                    "a shared probe's transport carries one exchange".into(),
+                ))
+            })
+        })
     }
 }
 
 /// What a request that needs a fresh length does.
-enum Turn<'a> {
-    /// Wait on the probe under way for its entry.
+enum Turn {
+    /// Wait on the probe under way for its entry (sent by this request, or another).
     Wait(Answers),
-    /// Ask, answering those that wait on it.
-    Ask(Flight<'a>),
     /// Ask for itself alone: its entry is not remembered, or too many probes are under
     /// way.
     Alone,
@@ -265,9 +348,14 @@ impl Prefill<'_> {
 }
 
 impl ContextLengths {
-    /// Wait at most `timeout` for a length asked, or for another request's probe.
+    /// Give a probe at most `timeout` (zero: [`CONTEXT_PROBE_TIMEOUT`]), and a request
+    /// as long to wait for one.
     pub(super) fn set_timeout(&mut self, timeout: Duration) {
-        self.timeout = timeout;
+        self.timeout = if timeout.is_zero() {
+            CONTEXT_PROBE_TIMEOUT
+        } else {
+            timeout
+        };
     }
 
     /// The context length a request is held to, once its limit and `min_tokens` were
@@ -275,11 +363,11 @@ impl ContextLengths {
     /// ids ([`check_limit`], [`check_min_tokens`]). `told`: the length the prompt's own
     /// `/tokenize` answered (`Some`, remembered), or `None` when the ids were known.
     /// Then a request that [`needs_context`] takes the length remembered for the
-    /// prefill, else a fresh one ([`fresh`](Self::fresh): asked, or waited for while
-    /// another request asks); a check the remembered length fails is made again on a
-    /// fresh answer. A request with a limit whose probe fails on the engine's side (no
-    /// answer in time among those), or failed within 10 s, is checked without the
-    /// length (the limit's room unchecked).
+    /// prefill, else a fresh one ([`fresh`](Self::fresh): the probe under way for it,
+    /// or one it starts, waited for); a check the remembered length fails is made
+    /// again on a fresh answer. A request with a limit whose probe fails on the
+    /// engine's side (no answer in time among those), or failed within 10 s, is
+    /// checked without the length (the limit's room unchecked).
     ///
     /// # Errors
     ///
@@ -298,7 +386,7 @@ impl ContextLengths {
         };
         if let Some(length) = told {
             if let Some(key) = prefill.key() {
-                self.learn(key, Told::Length(length));
+                self.memory.learn(key, Told::Length(length));
             }
             return check(length);
         }
@@ -307,7 +395,7 @@ impl ContextLengths {
         }
         let limited = plan.max_tokens.is_some();
         let key = prefill.key();
-        match key.as_ref().and_then(|k| self.remembered(k)) {
+        match key.as_ref().and_then(|k| self.memory.remembered(k)) {
             Some(Told::Length(length)) => {
                 if let Ok(length) = check(length) {
                     return Ok(length);
@@ -324,68 +412,83 @@ impl ContextLengths {
     }
 
     /// A fresh answer of the prefill's for the entry `key`, within
-    /// [`timeout`](Self::timeout) from now: the answer of the probe under way for that
-    /// entry, waited for, or else this request's own ([`probe`](Self::probe)), which
-    /// the requests that miss meanwhile wait for. A probe that answered no one (it
-    /// learned nothing, or its asker was dropped) is asked again, by one of those that
-    /// waited on it.
+    /// [`timeout`](Self::timeout) from now: that of the probe under way for the entry,
+    /// or of the one this request starts, which runs as a task of its own until this
+    /// request's deadline (whoever still waits on it: a request dropped leaves it
+    /// running) and which the requests that miss meanwhile wait on too; or else this
+    /// request's own, asked alone ([`alone`](Self::alone)). A probe joined began no
+    /// later than this request, so it ends within this request's time.
     ///
     /// # Errors
     ///
-    /// Those of [`context_length`] (the probe's, when this request waited on another's:
-    /// a failure on the engine's side only, the others answer no one); no answer within
-    /// the time is the engine's ([`ConnectorError::Engine`]).
+    /// Those of [`context_length`], made anew from the probe's for each request that
+    /// waited on it (a refusal of the client's `model` is each one's 400; no answer
+    /// within the probe's time is the engine's, [`ConnectorError::Engine`]); a probe
+    /// whose task ended without an answer is the proxy's ([`ConnectorError::NotReady`]).
     async fn fresh(
         &self,
         key: Option<Key>,
         prefill: Prefill<'_>,
     ) -> Result<Option<u64>, ConnectorError> {
         let deadline = Instant::now().checked_add(self.timeout);
-        loop {
-            let flight = match key.as_ref().map_or(Turn::Alone, |k| self.join(k)) {
-                Turn::Wait(answers) => match within(deadline, answer(answers)).await {
-                    Some(Some(answer)) => return answer.taken(prefill.ep),
-                    // Answered no one: its entry is gone, this request may ask.
-                    Some(None) => continue,
-                    None => return Err(self.unanswered(prefill.ep)),
-                },
-                Turn::Ask(flight) => Some(flight),
-                Turn::Alone => None,
-            };
-            return self.probe(key, prefill, deadline, flight).await;
+        let answers = match key
+            .as_ref()
+            .map_or(Turn::Alone, |k| self.join(k, prefill, deadline))
+        {
+            Turn::Wait(answers) => answers,
+            Turn::Alone => return self.alone(key, prefill, deadline).await,
+        };
+        // The probe's task ends by its deadline (that of the request that started it,
+        // no later than this one's), answering or closing the channel.
+        match answer(answers).await {
+            Some(answer) => answer.taken(prefill.ep),
+            None => Err(ConnectorError::NotReady {
+                reason: "the probe of the prefill's context length ended without an answer (the runtime shutting down)".into(),
+            }),
         }
     }
 
     /// What a request that needs a fresh length for `key` does: wait on the probe
-    /// under way, or ask (its entry added), or ask alone when [`MAX_ENGINES`] probes
-    /// are under way.
-    fn join(&self, key: &Key) -> Turn<'_> {
-        let mut flights = self.flights();
-        if let Some(answers) = flights.get(key) {
-            return Turn::Wait(answers.clone());
-        }
-        if flights.len() >= MAX_ENGINES {
-            return Turn::Alone;
-        }
-        let (answer, answers) = watch::channel(None);
-        flights.insert(key.clone(), answers);
-        Turn::Ask(Flight {
-            lengths: self,
+    /// under way, or start one (its entry added, its task spawned, given until
+    /// `deadline`: this request's) and wait on it, or ask alone when [`MAX_ENGINES`]
+    /// probes are under way.
+    fn join(&self, key: &Key, prefill: Prefill<'_>, deadline: Option<Instant>) -> Turn {
+        let (answer, answers) = {
+            let mut flights = self.memory.flights();
+            if let Some(answers) = flights.get(key) {
+                return Turn::Wait(answers.clone());
+            }
+            if flights.len() >= MAX_ENGINES {
+                return Turn::Alone;
+            }
+            let (answer, answers) = watch::channel(None);
+            flights.insert(key.clone(), answers.clone());
+            (answer, answers)
+        };
+        // Dropped on the way (a transport that panics), it takes its entry along.
+        let flight = Flight {
+            memory: Arc::clone(&self.memory),
             key: key.clone(),
             answer,
-        })
+        };
+        let sent = Sent::new(prefill.transport, key);
+        tokio::spawn(shared(
+            flight,
+            sent,
+            Arc::clone(prefill.ep),
+            prefill.blocking.clone(),
+            (deadline, self.timeout),
+        ));
+        Turn::Wait(answers)
     }
 
-    /// The prefill's context length ([`context_length`]) asked by this request, by
-    /// `deadline`, remembered under `key` (what it learned: a length, or a failure of
-    /// the engine's side, no answer in time among them) and told to the requests
-    /// waiting on `flight`. A warning is logged when a failure is learned.
-    async fn probe(
+    /// The prefill's context length ([`context_length`]) asked by this request for
+    /// itself, by `deadline`, remembered under `key` when there is one.
+    async fn alone(
         &self,
         key: Option<Key>,
         prefill: Prefill<'_>,
         deadline: Option<Instant>,
-        flight: Option<Flight<'_>>,
     ) -> Result<Option<u64>, ConnectorError> {
         let Prefill {
             transport,
@@ -395,21 +498,60 @@ impl ContextLengths {
         } = prefill;
         let asked = within(deadline, context_length(transport, ep, model, blocking))
             .await
-            .unwrap_or_else(|| Err(self.unanswered(ep)));
-        let (told, answer) = match &asked {
-            Ok(length) => (Told::Length(*length), Answer::Length(*length)),
-            Err(ConnectorError::Engine { source, .. }) => {
-                (Told::Failed, Answer::Failed(error_chain(&**source).into()))
-            }
-            // The client's (its model), the proxy's or the operator's: nothing learned,
-            // and no one answered (the flight dropped: its waiters ask in turn).
-            Err(_) => return asked,
+            .unwrap_or_else(|| Err(unanswered(ep, self.timeout)));
+        self.memory.settle(key, ep, &asked);
+        asked
+    }
+
+    /// How many probes are under way.
+    #[cfg(test)]
+    pub(super) fn flights_under_way(&self) -> usize {
+        self.memory.flights().len()
+    }
+}
+
+/// The task of the probe `flight` shares: the prefill's context length
+/// ([`context_length`], `sent` already) by `deadline` (`timeout` after it was sent),
+/// remembered (a length, or a failure of the engine's side, no answer in that time
+/// among them) and told to every request waiting, the client's refusals and the
+/// proxy's losses too. It ends by `deadline`, whoever still waits, and its entry with
+/// it.
+async fn shared(
+    flight: Flight,
+    sent: Sent,
+    ep: Arc<Endpoint>,
+    blocking: BlockingLimit,
+    (deadline, timeout): (Option<Instant>, Duration),
+) {
+    let model = flight.key.model.as_deref();
+    let asked = within(deadline, context_length(&sent, &ep, model, &blocking))
+        .await
+        .unwrap_or_else(|| Err(unanswered(&ep, timeout)));
+    flight.memory.settle(Some(flight.key.clone()), &ep, &asked);
+    flight.finish(Answer::of(&asked));
+}
+
+/// The failure of a probe on `ep` given no answer within `timeout`: the engine's.
+fn unanswered(ep: &Endpoint, timeout: Duration) -> ConnectorError {
+    ConnectorError::Engine {
+        endpoint: ep.id().clone(),
+        what: "/tokenize",
+        source: Box::new(Unanswered(timeout)),
+    }
+}
+
+impl Memory {
+    /// What a probe on `ep` learned (`asked`: a length, or a failure of the engine's
+    /// side), remembered under `key` when there is one; the client's refusals and the
+    /// proxy's losses teach nothing. A warning is logged when a failure is learned.
+    fn settle(&self, key: Option<Key>, ep: &Endpoint, asked: &Result<Option<u64>, ConnectorError>) {
+        let told = match asked {
+            Ok(length) => Told::Length(*length),
+            Err(ConnectorError::Engine { .. }) => Told::Failed,
+            Err(_) => return,
         };
         let learned = key.is_some_and(|key| self.learn(key, told));
-        if let Some(flight) = flight {
-            flight.answer.send_replace(Some(answer));
-        }
-        if let Err(e) = &asked {
+        if let Err(e) = asked {
             if learned {
                 tracing::warn!(
                     endpoint = %ep.id(),
@@ -424,23 +566,18 @@ impl ContextLengths {
                 );
             }
         }
-        asked
     }
 
-    /// The failure of a probe on `ep` given no answer within [`timeout`](Self::timeout):
-    /// the engine's.
-    fn unanswered(&self, ep: &Endpoint) -> ConnectorError {
-        ConnectorError::Engine {
-            endpoint: ep.id().clone(),
-            what: "/tokenize",
-            source: Box::new(Unanswered(self.timeout)),
+    /// The entry of the probe of `key` answering on `answer` removed, if still there
+    /// (not one of a later probe's).
+    fn landed(&self, key: &Key, answer: &watch::Sender<Option<Answer>>) {
+        let mut flights = self.flights();
+        if flights
+            .get(key)
+            .is_some_and(|answers| answers.same_channel(&answer.subscribe()))
+        {
+            flights.remove(key);
         }
-    }
-
-    /// How many probes are under way.
-    #[cfg(test)]
-    pub(super) fn flights_under_way(&self) -> usize {
-        self.flights().len()
     }
 
     /// What the entry `key` was told less than [`TTL`] ago.

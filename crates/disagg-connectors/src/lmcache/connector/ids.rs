@@ -92,11 +92,16 @@ pub(super) async fn context_length(
     model: Option<&[u8]>,
     blocking: &BlockingLimit,
 ) -> Result<Option<u64>, ConnectorError> {
-    let body = completion_tokenize(model.filter(|m| *m != b"null"), br#"".""#);
-    let answer = ask(transport, ep, body, PROBE_IDS, blocking)
+    let answer = ask(transport, ep, context_body(model), PROBE_IDS, blocking)
         .await
         .map_err(|e| tokenize_error(ep, e, Call::ContextLength))?;
     Ok(answer.max_model_len)
+}
+
+/// The body of [`context_length`]'s `/tokenize`: the client's `model` (unless `null`)
+/// and a prompt of one character.
+pub(super) fn context_body(model: Option<&[u8]>) -> Bytes {
+    completion_tokenize(model.filter(|m| *m != b"null"), br#"".""#)
 }
 
 /// The prefill's `/tokenize` answer to `body`, of at most `max` ids.

@@ -30,6 +30,8 @@ struct Engines {
     models: Vec<(&'static str, u64)>,
     /// How each `/tokenize` fails, while it does.
     failing: Mutex<Option<Fault>>,
+    /// How long each `/tokenize` takes to answer (its status and body), while set.
+    delay: Mutex<Option<Duration>>,
     /// Whether a `/tokenize` may be answered: one asked while it is `false` waits
     /// until it is `true` ([`hold`](Self::hold), [`release`](Self::release)).
     open: tokio::sync::watch::Sender<bool>,
@@ -56,6 +58,7 @@ impl Engines {
             context: Mutex::new(context),
             models: Vec::new(),
             failing: Mutex::default(),
+            delay: Mutex::default(),
             open: tokio::sync::watch::Sender::new(true),
             notifications,
             seen: Mutex::default(),
@@ -68,6 +71,7 @@ impl Engines {
             context: Mutex::new(0),
             models,
             failing: Mutex::default(),
+            delay: Mutex::default(),
             open: tokio::sync::watch::Sender::new(true),
             notifications: None,
             seen: Mutex::default(),
@@ -92,6 +96,13 @@ impl Engines {
     fn fail_tokenize(&self, fault: Option<Fault>) {
         if let Ok(mut f) = self.failing.lock() {
             *f = fault;
+        }
+    }
+
+    /// Each `/tokenize` asked from now on answers `delay` after it was sent.
+    fn delay_tokenize(&self, delay: Duration) {
+        if let Ok(mut d) = self.delay.lock() {
+            *d = Some(delay);
         }
     }
 
@@ -203,7 +214,12 @@ impl Transport for Engines {
         *resp.status_mut() = status;
         let mut open = self.open.subscribe();
         let held = req.uri().path() == "/tokenize";
+        let delay = self.delay.lock().map(|d| *d).unwrap_or_default();
+        let answered = delay.map(|delay| tokio::time::Instant::now() + delay);
         Box::pin(async move {
+            if let Some(at) = answered.filter(|_| held) {
+                tokio::time::sleep_until(at).await;
+            }
             if held {
                 // The sender lives as long as the engines the transport borrows.
                 let _ = open.wait_for(|open| *open).await;
@@ -764,68 +780,190 @@ async fn concurrent_misses_of_a_probe_never_answered_wait_no_longer_than_its_bou
     assert_eq!(c.contexts.flights_under_way(), 0);
 }
 
-/// A request that asked for the others and was dropped (its client gone) does not leave
-/// them waiting: one of them asks in its place. A waiter dropped leaves nothing behind.
+/// A request that asked for the others and was dropped (its client gone) takes nothing
+/// from them: the probe goes on without it, asked once, and a waiter is served on its
+/// answer when the engine gives it, which is remembered (the next request asks
+/// nothing). The waiter does not ask again with what is left of its own time (which
+/// would have run out before the engine's answer and been remembered as the engine's
+/// failure: 502 for a client without a limit).
 #[tokio::test(start_paused = true)]
-async fn a_probe_whose_asker_is_dropped_is_asked_again_by_a_waiter() {
+async fn a_probe_whose_asker_is_dropped_still_answers_its_waiters() {
     let c = connector();
     let engines = Engines::new(64);
-    engines.hold();
-    let reqs: Vec<PdRequest> = (0..3).map(|_| client_ids(4)).collect();
+    engines.delay_tokenize(Duration::from_millis(1_500));
+    let reqs = [client_ids(4), routed_unlimited()];
+    let start = tokio::time::Instant::now();
     let mut asker = Box::pin(resolved(&c, P, &engines, &reqs[0]));
-    let mut waiter = Box::pin(resolved(&c, P, &engines, &reqs[1]));
-    let mut dropped = Box::pin(resolved(&c, P, &engines, &reqs[2]));
     assert!(futures::poll!(asker.as_mut()).is_pending());
+    tokio::time::advance(Duration::from_millis(100)).await;
+    let mut waiter = Box::pin(resolved(&c, P, &engines, &reqs[1]));
     assert!(futures::poll!(waiter.as_mut()).is_pending());
-    assert!(futures::poll!(dropped.as_mut()).is_pending());
-    assert_eq!(engines.probes(P), 1);
-    drop(dropped);
+    tokio::time::advance(Duration::from_millis(900)).await;
     drop(asker);
 
-    // The waiter asks in the asker's place, and is served on that answer.
-    assert!(futures::poll!(waiter.as_mut()).is_pending());
-    assert_eq!(engines.probes(P), 2, "{:?}", engines.uris());
-    engines.release();
     let h = tokio::time::timeout(NEVER, waiter)
         .await
         .expect("the waiter waited for good")
         .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
-    assert_eq!(decode_budget(&c, h).await, json!(3));
+    assert_eq!(start.elapsed(), Duration::from_millis(1_500));
+    assert_eq!(engines.probes(P), 1, "{:?}", engines.uris());
+    assert_eq!(decode_budget(&c, h).await, json!(61));
     assert_eq!(c.contexts.flights_under_way(), 0);
-    // Its answer is remembered.
-    resolved(&c, P, &engines, &client_ids(4)).await.unwrap();
-    assert_eq!(engines.probes(P), 2);
+    // Its answer is remembered: a client without a limit is served on it at once.
+    let h = resolved(&c, P, &engines, &routed_unlimited())
+        .await
+        .unwrap();
+    assert_eq!(decode_budget(&c, h).await, json!(61));
+    assert_eq!(engines.probes(P), 1);
+}
+
+/// A waiter whose asker was dropped waits no longer than the probe's bound from when
+/// the probe began (so less than its own): on a prefill that never answers it is
+/// carried with its limit unchecked once the one probe gave up, and that failure, the
+/// probe's own after its whole time, is remembered (the next request does not wait).
+#[tokio::test(start_paused = true)]
+async fn a_waiter_whose_asker_was_dropped_waits_no_longer_than_the_bound() {
+    let c = connector();
+    let engines = Engines::new(64);
+    engines.fail_tokenize(Some(Fault::Silent));
+    let reqs = [client_ids(7), client_ids(7)];
+    let mut asker = Box::pin(resolved(&c, P, &engines, &reqs[0]));
+    assert!(futures::poll!(asker.as_mut()).is_pending());
+    tokio::time::advance(Duration::from_millis(100)).await;
+    let start = tokio::time::Instant::now();
+    let mut waiter = Box::pin(resolved(&c, P, &engines, &reqs[1]));
+    assert!(futures::poll!(waiter.as_mut()).is_pending());
+    tokio::time::advance(Duration::from_millis(900)).await;
+    drop(asker);
+
+    let h = tokio::time::timeout(NEVER, waiter)
+        .await
+        .expect("the waiter waited for good")
+        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    assert_eq!(
+        start.elapsed(),
+        CONTEXT_PROBE_TIMEOUT - Duration::from_millis(100)
+    );
+    assert_eq!(engines.probes(P), 1, "{:?}", engines.uris());
+    assert_eq!(decode_budget(&c, h).await, json!(6));
+    let start = tokio::time::Instant::now();
+    resolved(&c, P, &engines, &client_ids(100)).await.unwrap();
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert_eq!(engines.probes(P), 1);
+}
+
+/// When every request that missed together is dropped, the probe they shared is still
+/// under way (its entry kept, nothing else left behind by the requests), finishes on
+/// its own, and is remembered: the next request asks nothing, and no probe is left.
+#[tokio::test(start_paused = true)]
+async fn a_probe_whose_requests_are_all_dropped_finishes_and_is_remembered() {
+    let c = connector();
+    let engines = Engines::new(64);
+    engines.hold();
+    let reqs = [client_ids(4), client_ids(4)];
+    let mut asker = Box::pin(resolved(&c, P, &engines, &reqs[0]));
+    let mut waiter = Box::pin(resolved(&c, P, &engines, &reqs[1]));
+    assert!(futures::poll!(asker.as_mut()).is_pending());
+    assert!(futures::poll!(waiter.as_mut()).is_pending());
+    drop(waiter);
+    drop(asker);
+    assert_eq!(c.contexts.flights_under_way(), 1);
+
+    engines.release();
+    let h = tokio::time::timeout(NEVER, resolved(&c, P, &engines, &routed_unlimited()))
+        .await
+        .expect("the request waited for good")
+        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    assert_eq!(decode_budget(&c, h).await, json!(61));
+    assert_eq!(engines.probes(P), 1, "{:?}", engines.uris());
+    assert_eq!(c.contexts.flights_under_way(), 0);
+}
+
+/// A request that asked and is never polled again (nor dropped) holds no probe: the
+/// probe ends within its bound all the same, its failure remembered, and the requests
+/// that follow neither wait on it nor ask.
+#[tokio::test(start_paused = true)]
+async fn a_probe_whose_asker_is_never_polled_again_ends_within_its_bound() {
+    let c = connector();
+    let engines = Engines::new(64);
+    engines.fail_tokenize(Some(Fault::Silent));
+    let reqs = [client_ids(7), client_ids(7)];
+    let mut asker = Box::pin(resolved(&c, P, &engines, &reqs[0]));
+    assert!(futures::poll!(asker.as_mut()).is_pending());
+    let start = tokio::time::Instant::now();
+    tokio::time::timeout(NEVER, resolved(&c, P, &engines, &reqs[1]))
+        .await
+        .expect("the request waited for good")
+        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    assert_eq!(start.elapsed(), CONTEXT_PROBE_TIMEOUT);
+    assert_eq!(c.contexts.flights_under_way(), 0);
+
+    let start = tokio::time::Instant::now();
+    resolved(&c, P, &engines, &client_ids(100)).await.unwrap();
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert_eq!(engines.probes(P), 1, "{:?}", engines.uris());
+    drop(asker);
 }
 
 /// A probe that learns nothing (a `model` the prefill does not serve: 404, the
-/// client's) answers no one: the requests that waited on it ask in turn, each refused
-/// on its own answer (400), none left waiting.
+/// client's) tells its waiters so: each is refused at once on that one answer (400,
+/// the engine's words), with a limit or without, none asks again, and no one is
+/// failed as the engine's (502) for having waited.
 #[tokio::test(start_paused = true)]
-async fn a_probe_that_learns_nothing_leaves_its_waiters_to_ask() {
+async fn a_probe_that_learns_nothing_tells_its_waiters_the_clients_refusal() {
     let c = connector();
     let engines = Engines::new(64);
     engines.fail_tokenize(Some(Fault::Status(http::StatusCode::NOT_FOUND)));
-    engines.hold();
-    let reqs: Vec<PdRequest> = (0..3).map(|_| client_ids(4)).collect();
-    let mut pending: Vec<_> = reqs
-        .iter()
-        .map(|req| Box::pin(resolved(&c, P, &engines, req)))
-        .collect();
-    for p in &mut pending {
-        assert!(futures::poll!(p.as_mut()).is_pending());
-    }
-    assert_eq!(engines.probes(P), 1);
-    engines.release();
-    let all = futures::future::join_all(pending);
+    engines.delay_tokenize(Duration::from_millis(1_500));
+    let reqs = [
+        client_ids(4),
+        routed_unlimited(),
+        routed_unlimited(),
+        client_ids(4),
+    ];
+    let start = tokio::time::Instant::now();
+    let all = futures::future::join_all(reqs.iter().map(|req| resolved(&c, P, &engines, req)));
     let handoffs = tokio::time::timeout(NEVER, all)
         .await
         .expect("a request waited for good");
-    for h in handoffs {
-        let err = h.err().unwrap_or_else(|| panic!("carried"));
-        assert_eq!(super::fault::answered(err).0, 400);
+    assert_eq!(start.elapsed(), Duration::from_millis(1_500));
+    for (i, h) in handoffs.into_iter().enumerate() {
+        let err = h.err().unwrap_or_else(|| panic!("{i}: carried"));
+        let (status, body) = super::fault::answered(err);
+        assert_eq!(status, 400, "{i}: {body}");
+        let message = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("does not serve (404 Not Found: no)"),
+            "{i}: {message}"
+        );
     }
-    assert_eq!(engines.probes(P), 3, "{:?}", engines.uris());
+    assert_eq!(engines.probes(P), 1, "{:?}", engines.uris());
     assert_eq!(c.contexts.flights_under_way(), 0);
+}
+
+/// A bound of zero is no bound of nothing: the connector reads it as the default
+/// ([`CONTEXT_PROBE_TIMEOUT`]), so a prefill that answers in time serves a client
+/// without a limit (not a 502 at once), and one that never answers holds a request
+/// with a limit for the default bound.
+#[tokio::test(start_paused = true)]
+async fn a_zero_bound_is_the_default() {
+    let c = connector().with_context_probe_timeout(Duration::ZERO);
+    let engines = Engines::new(64);
+    engines.delay_tokenize(Duration::from_millis(100));
+    let h = tokio::time::timeout(NEVER, resolved(&c, P, &engines, &routed_unlimited()))
+        .await
+        .expect("the request waited for good")
+        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    assert_eq!(decode_budget(&c, h).await, json!(61));
+
+    let c = connector().with_context_probe_timeout(Duration::ZERO);
+    engines.fail_tokenize(Some(Fault::Silent));
+    let start = tokio::time::Instant::now();
+    tokio::time::timeout(NEVER, resolved(&c, P, &engines, &client_ids(7)))
+        .await
+        .expect("the request waited for good")
+        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    assert_eq!(start.elapsed(), CONTEXT_PROBE_TIMEOUT);
 }
 
 /// The probe's bound is the connector's to set: a prefill that never answers holds a
