@@ -22,20 +22,21 @@
 //! not counted as served. (Cohere's `/cohere/v2/chat` tells a failure inside its
 //! `message-end` event, which is not looked for.)
 
+use std::sync::LazyLock;
+
 use memchr::memmem::Finder;
 
-/// How an error event's payload starts, as the engines write it: a dict whose first key
-/// is `error` (`json.dumps`, so spaced or not after it), or whose first member is
-/// `"type":"error"` (pydantic's `model_dump_json`, unspaced; `json.dumps`'s spacing
-/// also looked for). A JSON string cannot hold any of them: its quotes would be escaped.
-const NEEDLES: [&[u8]; 3] = [
-    b"{\"error\"",
-    b"{\"type\":\"error\"",
-    b"{\"type\": \"error\"",
-];
+/// What every error event's payload holds at its start, as the engines write it: the key
+/// of a dict whose first key is `error` (OpenAI's shape, `json.dumps`), or the value of
+/// a first member `"type":"error"` (Anthropic's and the Responses API's, pydantic's
+/// `model_dump_json`; `json.dumps`'s spacing accepted too). A JSON string cannot hold it:
+/// its quotes would be escaped. The one needle searched for; what comes before it is
+/// looked at only when it is found.
+const KEY: &[u8] = b"\"error\"";
 
-/// The longest of [`NEEDLES`].
-const LONGEST: usize = 16;
+/// The searcher for [`KEY`], built once: an immutable table, as a compiled regex in a
+/// static is (building it for each stream cost more than searching the stream).
+static FINDER: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(KEY));
 
 /// Bytes of the stream kept from one frame to the next: enough to see a needle cut
 /// between two frames and the `data:` field name before it.
@@ -113,10 +114,13 @@ fn type_status(kind: &str) -> Option<u16> {
 /// Watches the bytes of an event stream, frame by frame, for the first error event an
 /// engine wrote in it.
 ///
-/// Each byte is looked at once (a `memchr` search for the payload's start, `{"error"`,
-/// which also finds one cut between two frames); only an event found is copied, up to
-/// its line's end or [`MAX_ERROR_EVENT`] bytes, and read as JSON for its `code`. Its
-/// payload must follow a `data:` field name (spaces between) at a line's start.
+/// Each byte is looked at once: one `memchr` search per frame for `"error"` (a key cut
+/// between two frames is found by comparing the frame's first bytes with the last
+/// one's), and only where it is found, the bytes before it: the payload's start
+/// (`{"error"` or `{"type":"error"`) after a `data:` field name (spaces between) at a
+/// line's start. Only an event found is copied, up to its line's end or
+/// [`MAX_ERROR_EVENT`] bytes, and read as JSON for the status it names. The watch is a
+/// 32-byte tail and a counter: nothing is allocated for a stream without an error.
 ///
 /// ```
 /// use disagg_json::ErrorEvents;
@@ -129,7 +133,6 @@ fn type_status(kind: &str) -> Option<u16> {
 /// assert!(event.is_server_error());
 /// ```
 pub struct ErrorEvents {
-    finders: [Finder<'static>; 3],
     /// The last bytes seen, the oldest first.
     tail: [u8; TAIL],
     tail_len: usize,
@@ -165,7 +168,6 @@ impl ErrorEvents {
     /// A watch over a stream not begun.
     pub fn new() -> Self {
         ErrorEvents {
-            finders: NEEDLES.map(Finder::new),
             tail: [0; TAIL],
             tail_len: 0,
             seen: 0,
@@ -217,49 +219,56 @@ impl ErrorEvents {
 
     /// Where, in the tail followed by `data`, the first error event's payload starts.
     fn find(&self, data: &[u8]) -> Option<usize> {
-        // A payload's start cut between the last frame and this one.
-        let mut window = [0u8; TAIL + LONGEST];
-        let head = data.len().min(LONGEST - 1);
-        window[..self.tail_len].copy_from_slice(&self.tail[..self.tail_len]);
-        window[self.tail_len..self.tail_len + head].copy_from_slice(&data[..head]);
-        let window = &window[..self.tail_len + head];
-        let mut found: Option<usize> = None;
-        for finder in &self.finders {
-            let cut = finder.needle().len() - 1;
-            // Only a start that reaches into this frame: one wholly in the tail was
-            // looked at with the frame before.
-            let mut at = self.tail_len.saturating_sub(cut);
-            while let Some(hit) = finder.find(&window[at..]) {
-                let v = at + hit;
-                if v >= self.tail_len || found.is_some_and(|f| f <= v) {
-                    break;
-                }
-                if self.starts_event(v, data) {
-                    found = Some(v);
-                    break;
-                }
-                at = v + 1;
+        // The key cut between the last frame and this one: `k` of its bytes at the
+        // tail's end (one wholly in the tail was looked at with the frame before).
+        let tail = &self.tail[..self.tail_len];
+        for k in 1..KEY.len() {
+            if tail.ends_with(&KEY[..k])
+                && data.starts_with(&KEY[k..])
+                && let Some(v) = self.payload_start(self.tail_len - k, data)
+            {
+                return Some(v);
             }
         }
-        if found.is_some() {
-            return found;
-        }
-        // One in this frame: the first of any needle.
-        for finder in &self.finders {
-            let mut at = 0;
-            while let Some(hit) = finder.find(&data[at..]) {
-                let v = self.tail_len + at + hit;
-                if found.is_some_and(|f| f <= v) {
-                    break;
-                }
-                if self.starts_event(v, data) {
-                    found = Some(v);
-                    break;
-                }
-                at += hit + 1;
+        let mut at = 0;
+        while let Some(hit) = FINDER.find(&data[at..]) {
+            if let Some(v) = self.payload_start(self.tail_len + at + hit, data) {
+                return Some(v);
             }
+            at += hit + 1;
         }
-        found
+        None
+    }
+
+    /// The start (its `{`) of the error event's payload whose [`KEY`] is at `e` (an
+    /// index into the tail followed by `data`): `{"error"`, or `{"type":"error"` with
+    /// spaces allowed after the colon, following `data:` at a line's start; `None` when
+    /// the key is anything else.
+    fn payload_start(&self, e: usize, data: &[u8]) -> Option<usize> {
+        let byte = |i: usize| {
+            if i < self.tail_len {
+                self.tail[i]
+            } else {
+                data[i - self.tail_len]
+            }
+        };
+        let low = e.saturating_sub(TAIL);
+        let brace = if e > low && byte(e - 1) == b'{' {
+            e - 1
+        } else {
+            let mut i = e;
+            while i > low && matches!(byte(i - 1), b' ' | b'\t') {
+                i -= 1;
+            }
+            let member = b"{\"type\":";
+            if i < low + member.len()
+                || (0..member.len()).any(|k| byte(i - member.len() + k) != member[k])
+            {
+                return None;
+            }
+            i - member.len()
+        };
+        self.starts_event(brace, data).then_some(brace)
     }
 
     /// Whether the payload found at `v` (an index into the tail followed by `data`)
