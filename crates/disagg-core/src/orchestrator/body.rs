@@ -834,6 +834,16 @@ impl PdBody {
                 Poll::Pending => {
                     if this.joined.is_empty() {
                         let finish = &*this.finish;
+                        // A continuation being started (mid-stream migration) is the
+                        // proxy's silence, within the continuation's own window: the
+                        // idle time counts from its end.
+                        let continuing = finish
+                            .as_ref()
+                            .and_then(|f| f.moved.as_ref())
+                            .is_some_and(|m| m.continuing());
+                        if continuing && let Some(t) = this.timer.as_mut() {
+                            t.get_mut().chunk();
+                        }
                         let flowing = || {
                             let late = finish.as_ref().and_then(|f| f.late.as_ref());
                             late.is_some_and(|l| l.flowing())

@@ -777,6 +777,7 @@ impl Migrating {
             seen: self.seen.clone(),
             end,
         };
+        ctx.moved.set_continuing(true);
         self.pending = Some(SyncWrapper::new(Box::pin(start(
             ctx, body, bounds, n, span,
         ))));
@@ -822,6 +823,7 @@ impl Migrating {
                     Poll::Ready(r) => r,
                 };
                 this.pending = None;
+                this.ctx.moved.set_continuing(false);
                 match result {
                     Ok(Started {
                         current,

@@ -7,7 +7,9 @@
 //! none), and [`taken`](KvHold::taken), which consumes the hold once the decode's
 //! engine accepted its leg: when the first frame of its 2xx answer came
 //! ([`until_first_frame`](KvHold::until_first_frame)), not at its head, which vLLM sends
-//! for a stream before it loads the KV. A hold dropped any other way (the client left,
+//! for a stream before it loads the KV (a gated plan's KV, pushed to the decode, at the
+//! head: the decode takes it from its own buffer before its first token, and a release
+//! leg after that would find none and compute the prompt). A hold dropped any other way (the client left,
 //! a budget ran out, the decode refused its leg or its answer broke before its first
 //! frame) releases what it holds, when
 //! [`KvRelease::AbortDecode`](super::KvRelease::AbortDecode) is on: there is no disarm

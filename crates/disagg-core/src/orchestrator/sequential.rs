@@ -101,8 +101,17 @@ impl Inner {
         };
         tl.decode_head = Some(now());
         let head = if head.status().is_success() {
-            // The KV is the engine's once its answer's first frame came.
-            reshaped(&handoff, head.map(|body| hold.until_first_frame(body)))
+            // The KV is the engine's once its answer's first frame came (a gated plan's,
+            // pushed to the decode, which takes it from its own buffer before its first
+            // token, at its head: a release leg after that would find none and compute
+            // the prompt for a client gone).
+            let head = if handoff.gate.is_some() {
+                hold.taken();
+                head
+            } else {
+                head.map(|body| hold.until_first_frame(body))
+            };
+            reshaped(&handoff, head)
         } else {
             // The decode refused its leg and took no KV: `hold` drops below and releases
             // it when asked to.
@@ -226,10 +235,12 @@ impl Inner {
                     error_message(body, limit, left).await,
                 ));
             }
-            // The decode's body flows from here: its idle time counts from now (the KV
-            // the engine's once its first frame came).
+            // A gated plan's KV was pushed to the decode, which takes it from its own
+            // buffer before its first token: taken at the head (a release leg after that
+            // would find none and compute the prompt for a client gone).
+            hold.taken();
+            // The decode's body flows from here: its idle time counts from now.
             marked.decode_flowing.store(true, Ordering::Relaxed);
-            let head = head.map(|body| hold.until_first_frame(body));
             Ok(reshaped(&handoff, head).into_body())
         });
         let body = BoxBody::new(LeadBody::deferred(lead, pending));

@@ -1129,6 +1129,23 @@ async fn a_decode_silent_while_its_concurrent_prefill_runs_is_not_idle() {
     assert_eq!(t0.elapsed(), ms(820));
     assert!(next(&mut body).await.is_none());
     assert_settled(&orch);
+
+    // A decode that stays silent after the prefill answered: its idle time counts from
+    // that answer (500 ms), not from its head.
+    let fake = Fake::new();
+    fake.on(P1, CHAT, Reply::json(200, r#"{"id":"p"}"#).after(ms(500)));
+    fake.on(D1, CHAT, Reply::sse().stall());
+    let connector = SglangBootstrap::with_rooms(Rooms::from_seed(7));
+    let orch = orchestrator(&fake, &[P1], connector, |c| {
+        c.decode_idle_timeout = Some(ms(300))
+    });
+    let t0 = Instant::now();
+    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    let err = error_event(&data(&mut body).await);
+    assert_eq!(err["code"], "decode_idle_timeout");
+    assert_eq!(t0.elapsed(), ms(800));
+    assert!(next(&mut body).await.is_none());
+    assert_settled(&orch);
 }
 
 #[tokio::test(start_paused = true)]

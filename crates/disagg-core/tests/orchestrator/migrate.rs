@@ -475,6 +475,25 @@ async fn a_continuation_under_a_head_timeout_the_clock_cannot_hold_moves_on() {
     }
 }
 
+/// A continuation whose fresh prefill takes longer (500 ms) than the decode idle time
+/// (300 ms): the client's stream is silent for the proxy's doing, within the
+/// continuation's own window, not the decode's. The stream moves on and ends well; the
+/// idle time counts again once the continuation streams.
+#[tokio::test(start_paused = true)]
+async fn a_continuation_slower_to_start_than_the_idle_time_is_not_idle() {
+    let fake = Fake::new();
+    continued_once(&fake, prefill_answer().after(ms(500)), to_the_end("B", 8));
+    let mut config = continuing(1, false);
+    config.decode_idle_timeout = Some(ms(300));
+    let orch = over(&fake, &[P1], &[D1, D2], VllmNixl::new(), config).build();
+    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    let all = read_to_end(&mut body).await;
+    assert!(all.contains("\"A\"") && all.contains("\"B\""), "{all}");
+    assert!(all.ends_with(DONE), "{all}");
+    drop(body);
+    assert_settled(&orch);
+}
+
 /// A chat without a token limit is not migrated: its continuation would go to the
 /// completions API, which vLLM fails on a `"max_tokens": null` (it asserts a number),
 /// and the proxy does not know the model's context length to say the rest in numbers.

@@ -20,6 +20,11 @@ use super::times::LegTimes;
 #[derive(Debug, Default)]
 pub(crate) struct Moved {
     inner: Mutex<MovedState>,
+    /// A continuation is being started (its fresh prefill, its decode's head): the
+    /// client's stream is silent for the proxy's doing, bounded by the continuation's
+    /// own window, not by the decode idle time. Read without the lock while the stream
+    /// waits.
+    continuing: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -89,6 +94,17 @@ pub(crate) struct Applied {
 }
 
 impl Moved {
+    /// A continuation's start begins (`true`) or ends.
+    pub(super) fn set_continuing(&self, on: bool) {
+        self.continuing
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether a continuation is being started.
+    pub(crate) fn continuing(&self) -> bool {
+        self.continuing.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Point `report` at the decode that finished the answer, its decode leg (and the
     /// handoff step before it) timed by that decode's leg: the first leg's are the
     /// dead decode's report's, the attempt's start and prefill leg stay. The
