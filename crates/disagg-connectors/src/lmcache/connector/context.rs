@@ -36,9 +36,10 @@
 //!   (its own probe, within its own time, not spawned).
 //!
 //! A probe has at most [`CONTEXT_PROBE_TIMEOUT`] (2 s, or
-//! [`Lmcache::with_context_probe_timeout`]; zero is read as that default) from when it
-//! is sent: past it the probe has failed on the engine's side, and only then is a
-//! failure for want of time remembered. A request waits for the probe it joined at
+//! [`Lmcache::with_context_probe_timeout`]; zero is read as that default, anything
+//! above a minute as a minute, [`MAX_CONTEXT_PROBE_TIMEOUT`]) from when it is sent:
+//! past it the probe has failed on the engine's side, and only then is a failure for
+//! want of time remembered. A request waits for the probe it joined at
 //! most until that probe ends, which is never later than that time from when the
 //! request began to wait (the probe began no later), and the task never outlives it.
 //! (An engine that took the connection and never answered would otherwise hold the
@@ -52,8 +53,14 @@
 //! unchecked (the decode refuses a limit its context cannot hold, after the prefill
 //! ran), and the failure is remembered for 10 s like an answer: the requests with a
 //! limit that follow skip the check without asking, those without one ask again. The
-//! requests that waited on a probe take its failure as their own. A warning is logged
-//! when a failure is learned, not for each request it then spares.
+//! requests that waited on a probe take its failure as their own, but the engine is
+//! blamed once for it: the first request without a limit to take it fails naming the
+//! prefill (502, [`ConnectorError::Engine`], counted against its passive health), the
+//! others without a limit fail too (502) with an error that names no engine
+//! ([`ConnectorError::NotReady`]), so a run of requests sharing one silent probe is one
+//! failure of the prefill, not enough to eject it. A warning is logged when a failure
+//! is learned, not for each request it then spares, in the span of the request that
+//! started the probe.
 //!
 //! An engine restarted with another `--max-model-len` behind the same address is read
 //! anew within 10 s. Until then the remembered length may be stale:
@@ -77,7 +84,7 @@
 //! place, under the map's read lock: only a new or changed entry takes the write lock.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
@@ -89,6 +96,7 @@ use http::Uri;
 use http::header::{CONTENT_TYPE, HeaderValue};
 use tokio::sync::watch;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::ids::{context_body, context_length};
 use super::limit::{check_limit, check_min_tokens, needs_context};
@@ -103,14 +111,16 @@ pub const CONTEXT_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl Lmcache {
     /// Give a prefill's `/tokenize` at most `timeout` (default
-    /// [`CONTEXT_PROBE_TIMEOUT`], 2 s; zero is read as that default, not as no time)
-    /// to tell its context length, when a request whose ids were known needs it and
+    /// [`CONTEXT_PROBE_TIMEOUT`], 2 s; zero is read as that default, not as no time;
+    /// more than a minute as a minute, so that a probe always ends) to tell its
+    /// context length, when a request whose ids were known needs it and
     /// none is remembered. The requests that miss together share one probe, which has
     /// that time from when it is sent, whichever of them are still waiting; each waits
     /// until it ends, never longer than `timeout` from when that request began to
     /// wait. Past it the probe has failed on the engine's side (remembered for 10 s):
     /// a request with a limit is carried with its limit's room unchecked, one without
-    /// a limit fails (502, the prefill named).
+    /// a limit fails (502; the prefill named, and counted against, by one of the
+    /// requests that shared the probe only).
     /// Keep it below the orchestrator's `handoff_timeout` (10 s by default), which
     /// bounds the whole resolution of the plan and fails the request (504) when it
     /// passes first.
@@ -120,6 +130,13 @@ impl Lmcache {
         self
     }
 }
+
+/// The longest a probe may take, and a request wait for one, whatever
+/// [`Lmcache::with_context_probe_timeout`] was given: a minute, six times the
+/// orchestrator's default handoff budget (10 s), which fails the request long before.
+/// A `/tokenize` of one character that takes longer is stuck, and a probe's task must
+/// end (a bound too long to add to the clock would leave it waiting for good).
+pub(super) const MAX_CONTEXT_PROBE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How long a prefill's context length is remembered after its latest `/tokenize`
 /// answer: the proxy's cache of the engines' model lists lasts as long.
@@ -203,8 +220,12 @@ type Answers = watch::Receiver<Option<Answer>>;
 enum Answer {
     /// The engine's length (`None`: its answer gave none).
     Length(Option<u64>),
-    /// The probe failed on the engine's side: why.
-    Failed(Arc<str>),
+    /// The probe failed on the engine's side: why, and whether a request without a
+    /// limit already took it as the engine's failure (shared by every waiter's copy).
+    Failed {
+        why: Arc<str>,
+        blamed: Arc<AtomicBool>,
+    },
     /// The client's request refused (a `model` the prefill does not serve or
     /// refuses: 404, 400/422): what, with the engine's words.
     Refused(Arc<str>),
@@ -218,9 +239,10 @@ impl Answer {
     fn of(asked: &Result<Option<u64>, ConnectorError>) -> Answer {
         match asked {
             Ok(length) => Answer::Length(*length),
-            Err(ConnectorError::Engine { source, .. }) => {
-                Answer::Failed(error_chain(&**source).into())
-            }
+            Err(ConnectorError::Engine { source, .. }) => Answer::Failed {
+                why: error_chain(&**source).into(),
+                blamed: Arc::default(),
+            },
             Err(ConnectorError::Unsupported { what, .. }) => Answer::Refused(what.as_str().into()),
             Err(ConnectorError::NotReady { reason }) => Answer::Lost(reason.as_str().into()),
             Err(e) => Answer::Lost(error_chain(e).into()),
@@ -229,14 +251,27 @@ impl Answer {
 
     /// The answer as a waiting request's own probe on `ep` would have had it: a
     /// refusal is the client's (400) and a loss the proxy's, as they were for the
-    /// probe; only a failure on the engine's side names the engine.
-    fn taken(self, ep: &Endpoint) -> Result<Option<u64>, ConnectorError> {
+    /// probe. A failure on the engine's side names the engine
+    /// ([`ConnectorError::Engine`]) for a request with a limit (`limited`: it goes on
+    /// with the limit unchecked, failing nothing) and for the first request without
+    /// one to take it; the others without one fail too (502), their error naming no
+    /// engine ([`ConnectorError::NotReady`]): one probe that failed is one failure of
+    /// the engine, however many requests waited on it, not enough to eject it.
+    fn taken(self, ep: &Endpoint, limited: bool) -> Result<Option<u64>, ConnectorError> {
         match self {
             Answer::Length(length) => Ok(length),
-            Answer::Failed(why) => Err(ConnectorError::Engine {
-                endpoint: ep.id().clone(),
-                what: "/tokenize",
-                source: Box::new(Shared(why)),
+            Answer::Failed { why, blamed } if limited || !blamed.swap(true, Ordering::Relaxed) => {
+                Err(ConnectorError::Engine {
+                    endpoint: ep.id().clone(),
+                    what: "/tokenize",
+                    source: Box::new(Shared(why)),
+                })
+            }
+            Answer::Failed { why, .. } => Err(ConnectorError::NotReady {
+                reason: format!(
+                    "the /tokenize of prefill endpoint {} gave no context length: {why} (the probe shared by the requests that missed together, its failure counted against the engine by another of them)",
+                    ep.id()
+                ),
             }),
             Answer::Refused(what) => Err(refused(&*what)),
             Answer::Lost(why) => Err(ConnectorError::NotReady {
@@ -283,8 +318,18 @@ impl Drop for Flight {
 
 /// The transport of a shared probe's task: the probe's `/tokenize` already sent
 /// through the request's own transport (whose futures are `'static`, so that they may
-/// be spawned), handed to [`context_length`] as the answer to its one call.
-struct Sent(Mutex<Option<ResponseFuture>>);
+/// be spawned), handed to [`context_length`] as the answer to its one call. Any other
+/// call (a second one, or to another URI than the probe's) is the proxy's bug: it
+/// fails, and the probe's outcome is then the proxy's ([`own`](Self::own)), neither
+/// remembered nor counted against the engine.
+struct Sent {
+    /// The exchange sent, until its call takes it.
+    exchange: Mutex<Option<ResponseFuture>>,
+    /// Where it was sent: the entry's `/tokenize`.
+    uri: Uri,
+    /// Whether a call other than the one sent was made.
+    misused: AtomicBool,
+}
 
 impl Sent {
     /// The probe of `key` (the request [`context_length`] makes for its `model`, to its
@@ -295,17 +340,50 @@ impl Sent {
         *req.uri_mut() = key.tokenize.clone();
         req.headers_mut()
             .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        Sent(Mutex::new(Some(transport.send(req))))
+        Sent {
+            exchange: Mutex::new(Some(transport.send(req))),
+            uri: key.tokenize.clone(),
+            misused: AtomicBool::new(false),
+        }
+    }
+
+    /// The probe's outcome `asked`, unless a call other than the one sent was made:
+    /// then the proxy's failure ([`ConnectorError::NotReady`]), not the engine's.
+    fn own(
+        &self,
+        asked: Result<Option<u64>, ConnectorError>,
+    ) -> Result<Option<u64>, ConnectorError> {
+        if self.misused.load(Ordering::Relaxed) {
+            return Err(ConnectorError::NotReady {
+                reason: "the probe of the prefill's context length made a call other than the one sent (the proxy's fault)".into(),
+            });
+        }
+        asked
     }
 }
 
 impl Transport for Sent {
-    fn send(&self, _req: http::Request<bytes::Bytes>) -> ResponseFuture {
-        let sent = self.0.lock().unwrap_or_else(PoisonError::into_inner).take();
+    fn send(&self, req: http::Request<bytes::Bytes>) -> ResponseFuture {
+        let sent = if *req.uri() == self.uri {
+            self.exchange
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take()
+        } else {
+            None
+        };
+        if sent.is_none() {
+            self.misused.store(true, Ordering::Relaxed);
+        }
+        debug_assert!(
+            sent.is_some(),
+            "a shared probe's transport carries the one exchange sent, to {}",
+            self.uri
+        );
         sent.unwrap_or_else(|| {
             Box::pin(async {
                 Err(TransportError::Io(
-                    "a shared probe's transport carries one exchange".into(),
+                    "a shared probe's transport carries the one exchange sent".into(),
                 ))
             })
         })
@@ -348,13 +426,13 @@ impl Prefill<'_> {
 }
 
 impl ContextLengths {
-    /// Give a probe at most `timeout` (zero: [`CONTEXT_PROBE_TIMEOUT`]), and a request
-    /// as long to wait for one.
+    /// Give a probe at most `timeout` (zero: [`CONTEXT_PROBE_TIMEOUT`]; at most
+    /// [`MAX_CONTEXT_PROBE_TIMEOUT`]), and a request as long to wait for one.
     pub(super) fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = if timeout.is_zero() {
             CONTEXT_PROBE_TIMEOUT
         } else {
-            timeout
+            timeout.min(MAX_CONTEXT_PROBE_TIMEOUT)
         };
     }
 
@@ -404,7 +482,7 @@ impl ContextLengths {
             Some(Told::Failed) if limited => return check(None),
             _ => {}
         }
-        match self.fresh(key, prefill).await {
+        match self.fresh(key, prefill, limited).await {
             Ok(length) => check(length),
             Err(ConnectorError::Engine { .. }) if limited => check(None),
             Err(e) => Err(e),
@@ -423,14 +501,18 @@ impl ContextLengths {
     ///
     /// Those of [`context_length`], made anew from the probe's for each request that
     /// waited on it (a refusal of the client's `model` is each one's 400; no answer
-    /// within the probe's time is the engine's, [`ConnectorError::Engine`]); a probe
-    /// whose task ended without an answer is the proxy's ([`ConnectorError::NotReady`]).
+    /// within the probe's time is the engine's, [`ConnectorError::Engine`], for one
+    /// request without a limit (`limited`: whether this one has one) and a
+    /// [`ConnectorError::NotReady`] for the others, [`Answer::taken`]); a probe whose
+    /// task ended without an answer is the proxy's ([`ConnectorError::NotReady`]).
     async fn fresh(
         &self,
         key: Option<Key>,
         prefill: Prefill<'_>,
+        limited: bool,
     ) -> Result<Option<u64>, ConnectorError> {
-        let deadline = Instant::now().checked_add(self.timeout);
+        // No overflow: the timeout is at most a minute (`set_timeout`).
+        let deadline = Instant::now() + self.timeout;
         let answers = match key
             .as_ref()
             .map_or(Turn::Alone, |k| self.join(k, prefill, deadline))
@@ -441,9 +523,9 @@ impl ContextLengths {
         // The probe's task ends by its deadline (that of the request that started it,
         // no later than this one's), answering or closing the channel.
         match answer(answers).await {
-            Some(answer) => answer.taken(prefill.ep),
+            Some(answer) => answer.taken(prefill.ep, limited),
             None => Err(ConnectorError::NotReady {
-                reason: "the probe of the prefill's context length ended without an answer (the runtime shutting down)".into(),
+                reason: "the probe of the prefill's context length ended without an answer (its task ended unfinished)".into(),
             }),
         }
     }
@@ -452,7 +534,7 @@ impl ContextLengths {
     /// under way, or start one (its entry added, its task spawned, given until
     /// `deadline`: this request's) and wait on it, or ask alone when [`MAX_ENGINES`]
     /// probes are under way.
-    fn join(&self, key: &Key, prefill: Prefill<'_>, deadline: Option<Instant>) -> Turn {
+    fn join(&self, key: &Key, prefill: Prefill<'_>, deadline: Instant) -> Turn {
         let (answer, answers) = {
             let mut flights = self.memory.flights();
             if let Some(answers) = flights.get(key) {
@@ -472,13 +554,15 @@ impl ContextLengths {
             answer,
         };
         let sent = Sent::new(prefill.transport, key);
-        tokio::spawn(shared(
+        // In the starter's span: its warning carries that request's fields.
+        let task = shared(
             flight,
             sent,
             Arc::clone(prefill.ep),
             prefill.blocking.clone(),
             (deadline, self.timeout),
-        ));
+        );
+        tokio::spawn(task.instrument(tracing::Span::current()));
         Turn::Wait(answers)
     }
 
@@ -488,7 +572,7 @@ impl ContextLengths {
         &self,
         key: Option<Key>,
         prefill: Prefill<'_>,
-        deadline: Option<Instant>,
+        deadline: Instant,
     ) -> Result<Option<u64>, ConnectorError> {
         let Prefill {
             transport,
@@ -521,12 +605,13 @@ async fn shared(
     sent: Sent,
     ep: Arc<Endpoint>,
     blocking: BlockingLimit,
-    (deadline, timeout): (Option<Instant>, Duration),
+    (deadline, timeout): (Instant, Duration),
 ) {
     let model = flight.key.model.as_deref();
     let asked = within(deadline, context_length(&sent, &ep, model, &blocking))
         .await
         .unwrap_or_else(|| Err(unanswered(&ep, timeout)));
+    let asked = sent.own(asked);
     flight.memory.settle(Some(flight.key.clone()), &ep, &asked);
     flight.finish(Answer::of(&asked));
 }
@@ -644,12 +729,9 @@ impl Memory {
     }
 }
 
-/// `step`'s output, unless `deadline` (`None`: none) passes first.
-async fn within<T>(deadline: Option<Instant>, step: impl Future<Output = T>) -> Option<T> {
-    match deadline {
-        Some(deadline) => tokio::time::timeout_at(deadline, step).await.ok(),
-        None => Some(step.await),
-    }
+/// `step`'s output, unless `deadline` passes first.
+async fn within<T>(deadline: Instant, step: impl Future<Output = T>) -> Option<T> {
+    tokio::time::timeout_at(deadline, step).await.ok()
 }
 
 /// The answer told on `answers`, once it is; `None` when the channel closed without one.
@@ -661,4 +743,77 @@ async fn answer(mut answers: Answers) -> Option<Answer> {
 /// `d` in nanoseconds (`u64::MAX` past some 584 years).
 fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A transport whose exchanges never end.
+    struct Silent;
+
+    impl Transport for Silent {
+        fn send(&self, _req: http::Request<bytes::Bytes>) -> ResponseFuture {
+            Box::pin(std::future::pending())
+        }
+    }
+
+    fn key() -> Key {
+        Key {
+            tokenize: Uri::from_static("http://p:7100/tokenize"),
+            model: None,
+        }
+    }
+
+    fn call(uri: &str) -> http::Request<bytes::Bytes> {
+        let mut req = http::Request::new(bytes::Bytes::new());
+        *req.uri_mut() = Uri::try_from(uri).unwrap_or_default();
+        req
+    }
+
+    /// A failure of the engine's, as [`context_length`] makes it.
+    fn engines() -> Result<Option<u64>, ConnectorError> {
+        Err(unanswered(
+            &Endpoint::new("http://p:7100", disagg_core::endpoint::Role::Prefill).unwrap(),
+            CONTEXT_PROBE_TIMEOUT,
+        ))
+    }
+
+    /// The one exchange sent, taken by its call: the probe's outcome is its own.
+    #[test]
+    fn the_exchange_sent_is_the_probes_outcome() {
+        let sent = Sent::new(&Silent, &key());
+        drop(sent.send(call("http://p:7100/tokenize")));
+        assert!(matches!(
+            sent.own(engines()),
+            Err(ConnectorError::Engine { .. })
+        ));
+        assert!(matches!(sent.own(Ok(Some(8))), Ok(Some(8))));
+    }
+
+    /// A second call, or one to another URI, is the proxy's bug (a debug build
+    /// panics): the probe's outcome is then the proxy's (`NotReady`, which blames no
+    /// engine and is not remembered), not the engine's failure.
+    #[test]
+    fn a_call_other_than_the_one_sent_is_the_proxys() {
+        for calls in [
+            &["http://p:7100/tokenize", "http://p:7100/tokenize"][..],
+            &["http://q:7100/tokenize"],
+        ] {
+            let sent = Sent::new(&Silent, &key());
+            let (last, first) = calls.split_last().unwrap();
+            for uri in first {
+                drop(sent.send(call(uri)));
+            }
+            let other = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                drop(sent.send(call(last)));
+            }));
+            assert_eq!(other.is_err(), cfg!(debug_assertions), "{calls:?}");
+            let err = sent.own(engines()).err();
+            assert!(
+                matches!(err, Some(ConnectorError::NotReady { .. })),
+                "{calls:?}: {err:?}"
+            );
+        }
+    }
 }

@@ -869,14 +869,28 @@ async fn a_probe_whose_requests_are_all_dropped_finishes_and_is_remembered() {
     drop(asker);
     assert_eq!(c.contexts.flights_under_way(), 1);
 
+    // The probe's task alone reads the answer: once it is done, nothing is under way.
     engines.release();
-    let h = tokio::time::timeout(NEVER, resolved(&c, P, &engines, &routed_unlimited()))
-        .await
-        .expect("the request waited for good")
-        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    for _ in 0..100 {
+        if c.contexts.flights_under_way() == 0 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(c.contexts.flights_under_way(), 0);
+    assert_eq!(engines.probes(P), 1, "{:?}", engines.uris());
+
+    // Remembered: the next request waits on nothing and asks nothing.
+    let start = tokio::time::Instant::now();
+    let req = routed_unlimited();
+    let mut next = Box::pin(resolved(&c, P, &engines, &req));
+    let h = match futures::poll!(next.as_mut()) {
+        std::task::Poll::Ready(h) => h.unwrap_or_else(|e| panic!("{}", error_chain(&e))),
+        std::task::Poll::Pending => panic!("the next request waited: nothing was remembered"),
+    };
+    assert_eq!(start.elapsed(), Duration::ZERO);
     assert_eq!(decode_budget(&c, h).await, json!(61));
     assert_eq!(engines.probes(P), 1, "{:?}", engines.uris());
-    assert_eq!(c.contexts.flights_under_way(), 0);
 }
 
 /// A request that asked and is never polled again (nor dropped) holds no probe: the
@@ -980,4 +994,61 @@ async fn the_probes_bound_is_the_connectors_to_set() {
         .expect("the request waited for good")
         .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     assert_eq!(start.elapsed(), bound);
+}
+
+/// Requests without a limit that wait on one probe of a prefill that never answers
+/// fail together (502), but the engine is blamed once, by one of them: the others'
+/// error names no engine, so one silent probe counts as one failure of the prefill
+/// for its passive health, not as many as requests waited.
+#[tokio::test(start_paused = true)]
+async fn a_shared_probes_failure_blames_the_prefill_once() {
+    const K: usize = 5;
+    let c = connector();
+    let engines = Engines::new(64);
+    engines.fail_tokenize(Some(Fault::Silent));
+    let reqs: Vec<PdRequest> = (0..K).map(|_| routed_unlimited()).collect();
+    let start = tokio::time::Instant::now();
+    let all = futures::future::join_all(reqs.iter().map(|req| resolved(&c, P, &engines, req)));
+    let handoffs = tokio::time::timeout(NEVER, all)
+        .await
+        .expect("a request waited for good");
+    assert_eq!(start.elapsed(), CONTEXT_PROBE_TIMEOUT);
+    assert_eq!(engines.probes(P), 1, "{:?}", engines.uris());
+    let mut blaming = 0;
+    for (i, h) in handoffs.into_iter().enumerate() {
+        let err = h
+            .err()
+            .unwrap_or_else(|| panic!("{i}: carried without a length"));
+        match &err {
+            ConnectorError::Engine { endpoint, .. } if endpoint.as_str() == P => blaming += 1,
+            ConnectorError::NotReady { reason } => {
+                assert!(reason.contains(P), "{i}: {reason}");
+                assert!(reason.contains("no answer within 2s"), "{i}: {reason}");
+            }
+            _ => panic!("{i}: {err:?}"),
+        }
+        assert_eq!(super::fault::answered(err).0, 502, "{i}");
+    }
+    assert_eq!(blaming, 1);
+    assert_eq!(c.contexts.flights_under_way(), 0);
+}
+
+/// A bound too long to add to the clock is held to the longest the connector gives a
+/// probe ([`MAX_CONTEXT_PROBE_TIMEOUT`](super::super::context::MAX_CONTEXT_PROBE_TIMEOUT)):
+/// a prefill that never answers holds a request that long, and the probe's task
+/// ends then, not never.
+#[tokio::test(start_paused = true)]
+async fn a_bound_past_the_longest_is_held_to_it() {
+    use super::super::context::MAX_CONTEXT_PROBE_TIMEOUT;
+    let c = connector().with_context_probe_timeout(Duration::MAX);
+    let engines = Engines::new(64);
+    engines.fail_tokenize(Some(Fault::Silent));
+    let start = tokio::time::Instant::now();
+    tokio::time::timeout(NEVER, resolved(&c, P, &engines, &client_ids(7)))
+        .await
+        .expect("the request waited for good")
+        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    assert_eq!(start.elapsed(), MAX_CONTEXT_PROBE_TIMEOUT);
+    assert_eq!(c.contexts.flights_under_way(), 0);
+    assert_eq!(engines.probes(P), 1, "{:?}", engines.uris());
 }
