@@ -291,6 +291,32 @@ async fn sglang_prefill_failure_aborts_the_decode() {
     prefill_failure_aborts_the_decode(Protocol::Sglang).await;
 }
 
+/// vLLM Mooncake, streamed: the decode's 200 head comes at once (vLLM sends it before
+/// its KV load), and its first token only once the prefill (800 ms) handed the KV over.
+/// That wait is the prefill's, within its own budget: a decode idle limit shorter than
+/// the prefill (300 ms) does not cut the stream.
+#[tokio::test]
+async fn a_streamed_decode_waiting_for_a_slow_concurrent_prefill_is_not_idle() {
+    let s = Stack::builder()
+        .protocol(Protocol::Mooncake)
+        .prefill(vec![slow(Duration::from_millis(800))])
+        .decode(vec![engine()])
+        .config(|c| c.decode_idle_timeout = Some(Duration::from_millis(300)))
+        .build()
+        .await;
+    let a = post(&s.url, "/v1/chat/completions", chat("hello", 4, true), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let events = a.events();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    assert!(!a.text().contains("decode_idle_timeout"), "{}", a.text());
+    assert!(!a.content().is_empty(), "{}", a.text());
+    assert!(eventually(Duration::from_secs(1), || s.in_flight() == 0).await);
+}
+
 #[tokio::test]
 async fn mooncake_prefill_failure_aborts_the_decode() {
     prefill_failure_aborts_the_decode(Protocol::Mooncake).await;
