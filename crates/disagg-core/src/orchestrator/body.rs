@@ -934,7 +934,7 @@ fn end_with(end: Tail, sse: bool, done: &mut bool, finish: &mut Option<Box<Finis
             if sse {
                 Poll::Ready(Some(Ok(Frame::data(sse_error_event(
                     &message,
-                    err.error_type(),
+                    err.event_type(),
                     err.code(),
                 )))))
             } else {

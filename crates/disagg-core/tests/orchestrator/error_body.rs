@@ -58,6 +58,41 @@ async fn a_lead_streams_decode_error_whose_body_never_ends_fails_within_the_head
     assert_settled(&orch);
 }
 
+/// A lead stream's decode refusing its leg (a 400: the client's request, such as a
+/// prompt past its context) ends the stream with an error event typed as the request's
+/// fault, as the engine's own answer would be, not as a server error; a 500 stays a
+/// server error.
+#[tokio::test(start_paused = true)]
+async fn a_lead_streams_decode_refusal_ends_it_with_the_requests_error_type() {
+    for (status, kind) in [
+        (400, "invalid_request_error"),
+        (429, "rate_limit_error"),
+        (500, "server_error"),
+    ] {
+        let fake = Fake::new();
+        fake.on(P1, CHAT, prefill_answer());
+        fake.on(D1, CHAT, engine_error(status, "no room"));
+        let orch = orchestrator(&fake, &[P1], Leading, |_| {});
+        let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+        assert_eq!(data(&mut body).await, LEAD);
+        let err = error_event(&data(&mut body).await);
+        assert_eq!(
+            (err["code"].as_str(), err["type"].as_str()),
+            (Some("decode_failed"), Some(kind)),
+            "{status}: {err}"
+        );
+        assert!(
+            err["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("no room")),
+            "{err}"
+        );
+        assert!(next(&mut body).await.is_none());
+        drop(body);
+        assert_settled(&orch);
+    }
+}
+
 /// vLLM NIXL over [`P1`] and `decodes`.
 fn over_decodes(fake: &Fake, decodes: &[&str], config: impl FnOnce(&mut Setup)) -> Orchestrator {
     let mut c = Setup::default();

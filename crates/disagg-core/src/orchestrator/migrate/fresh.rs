@@ -197,7 +197,7 @@ impl Body for Gated {
         this.ended = true;
         let message = error_chain(&*e);
         tracing::warn!(%message, "a continuation's KV handoff failed after its lead");
-        let event = sse_error_event(&message, e.error_type(), e.code());
+        let event = sse_error_event(&message, e.event_type(), e.code());
         Poll::Ready(Some(Ok(Frame::data(event))))
     }
 }
