@@ -33,23 +33,35 @@
 //! LMCache's `"KV cache for this request has not arrived (...)"`, saying why); vLLM's
 //! says `"Internal server error"`.
 //!
-//! The head comes first as vLLM's does: a streamed chat or completions decode that takes
-//! remote KV (or waits for KV nobody sends: invalid parameters) gets its 200 head once
-//! its request was read and checked, and the KV's wait is its body's ([`head_first`]):
-//! the stream of a served answer, or the failure's above, follows when the fetch ends
-//! (a peer that never answers: after [`crate::SimConfig::bootstrap_timeout`]). A
-//! request refused before vLLM returns its generator (a bad field, an unknown
-//! data-parallel rank, a fault's status) is still refused in its head. A client that
-//! leaves meanwhile drops the fetch, and the request counts as cancelled (a NIXL decode
-//! tells its prefill to free the blocks, as on any abort before the pull ended).
+//! The head comes first as vLLM's does: a streamed chat or completions request that a
+//! vLLM decode may fetch KV for gets its 200 head once its request was read and checked,
+//! and the KV's wait is its body's ([`head_first`]): the stream of a served answer, or
+//! the failure's above, follows when the fetch ends (a peer that never answers: after
+//! [`crate::SimConfig::bootstrap_timeout`]). Those are the requests to a NIXL pull
+//! decode with `do_remote_prefill` and block ids (one whose handoff a fault loses, then
+//! prefilled here, included), to a NIXL push decode whose parameters name its prefill,
+//! to a Mooncake decode naming a transfer, those that wait for KV nobody sends
+//! (invalid parameters, NIXL or Mooncake), and every request to an LMCache decode (one
+//! LMCache finds no KV for, then prefilled here, included). A request refused before vLLM
+//! returns its generator (a bad field, an unknown data-parallel rank, a fault's status)
+//! is still refused in its head. A client that leaves meanwhile drops the fetch, and the
+//! request counts as cancelled (a NIXL decode tells its prefill to free the blocks, as
+//! on any abort before the pull ended).
 //!
 //! Not modelled:
 //!
 //! * the engine core's death on a NIXL decode's `remote_block_ids` that name no block
 //!   (`assert num_external_tokens == 0` in vLLM's scheduler, after the head): the
 //!   simulator answers that request's 500 in its head;
-//! * the head of a streamed request that takes no remote KV: vLLM sends it at once too,
-//!   the simulator only after the request's queueing ([`crate::SimConfig::max_num_seqs`],
+//! * likewise the engine core's death on a NIXL push decode whose parameters lack a key
+//!   its scheduler indexes (the `KeyError` of `update_state_after_alloc`, after vLLM's
+//!   head): the simulator answers its 500 in its head;
+//! * an E/P/D push consumer's wait for its encoder outputs (up to
+//!   [`crate::SimConfig::ec_push_wait`]): vLLM's engine waits after the head, the
+//!   simulator before it (and refuses a failed wait in its head, not in a stream);
+//! * the head of any other streamed request (no remote KV, a NIXL push decode whose
+//!   parameters are invalid and so prefills here): vLLM sends it at once too, the
+//!   simulator only after the request's queueing ([`crate::SimConfig::max_num_seqs`],
 //!   [`crate::SimConfig::request_delay`]) and local prefill;
 //! * chat's `echo`: vLLM writes, after the role chunks, one chunk per choice echoing
 //!   the last message's content when that message's role is the answer's (an
@@ -162,12 +174,12 @@ pub(crate) fn stream(
     )
 }
 
-/// The answer of a [`streamed`] request that takes remote KV: the 200
-/// `text/event-stream` head at once, then the body `work` makes (the KV's wait, and the
-/// answer or the failure's [`stream`]). vLLM 0.33 returns such a request's stream
-/// generator before the engine tried the load, and Starlette's `StreamingResponse`
-/// sends its head then. A client leaving meanwhile drops `work` where it stands, as
-/// vLLM aborts the request.
+/// The answer of a [`streamed`] request that may fetch KV (which ones: the module's
+/// documentation): the 200 `text/event-stream` head at once, then the body `work` makes
+/// (the KV's wait, and the answer or the failure's [`stream`]). vLLM 0.33 returns such
+/// a request's stream generator before the engine tried the load, and Starlette's
+/// `StreamingResponse` sends its head then. A client leaving meanwhile drops `work`
+/// where it stands, as vLLM aborts the request.
 pub(crate) fn head_first(
     work: impl Future<Output = SimBody> + Send + 'static,
     header_id: Option<&str>,

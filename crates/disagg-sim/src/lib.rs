@@ -277,13 +277,14 @@
 //! and a decode on another of vLLM's generation routes (`/v1/responses`,
 //! `/v1/messages`, ...: their streams' failure is not modelled), answer the 500
 //! before any response head. As vLLM's, the 200 head of a streamed chat or
-//! completions decode that takes remote KV goes out before the fetch is tried, once the
-//! request was read and checked (a bad field is still refused in its head): the fetch's
-//! wait is the body's, and its outcome (the answer, or the failure's stream) follows in
-//! it; a client that leaves meanwhile drops the fetch. Not modelled: the chunks vLLM
-//! writes after the role chunks for a chat's `echo`; and what completions' `echo` with
-//! `logprobs` makes of the failed output (the simulator sends the error event as for
-//! `echo` alone).
+//! completions decode that may fetch KV (a NIXL pull or push decode, a Mooncake decode
+//! named a transfer, and any LMCache decode, one that then prefills itself included)
+//! goes out before the fetch is tried, once the request was read and checked (a bad
+//! field is still refused in its head): the fetch's wait is the body's, and its outcome
+//! (the answer, or the failure's stream) follows in it; a client that leaves meanwhile
+//! drops the fetch. Not modelled: the chunks vLLM writes after the role chunks for a
+//! chat's `echo`; and what completions' `echo` with `logprobs` makes of the failed
+//! output (the simulator sends the error event as for `echo` alone).
 //!
 //! ## vLLM NIXL ([`KvMode::Nixl`], the default): sequential
 //!

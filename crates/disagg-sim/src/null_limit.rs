@@ -14,7 +14,6 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{CONTENT_TYPE, HeaderValue};
 use http::{Response, StatusCode};
 use serde_json::{Map, Value};
 
@@ -37,17 +36,17 @@ pub(crate) fn error() -> ApiError {
     ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, MESSAGE)
 }
 
-/// The streamed answer: a 200 head, the error event, then `data: [DONE]`.
-pub(crate) fn stream(delay: Duration, guard: RequestGuard) -> Response<SimBody> {
+/// The streamed answer: a 200 head (echoing the request's `X-Request-Id`, as every
+/// other answer of the simulator does), the error event, then `data: [DONE]`.
+pub(crate) fn stream(
+    delay: Duration,
+    header_id: Option<&str>,
+    guard: RequestGuard,
+) -> Response<SimBody> {
     let mut event = b"data: ".to_vec();
     event.extend_from_slice(&error().body());
     event.extend_from_slice(b"\n\n");
     let events = VecDeque::from([Bytes::from(event), Bytes::from_static(b"data: [DONE]\n\n")]);
     let body = EventsBody::new(events, delay, None, guard);
-    let mut response = Response::new(SimBody::Events(Box::new(body)));
-    response.headers_mut().insert(
-        CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream; charset=utf-8"),
-    );
-    response
+    crate::kv_load_failure::sse_response(SimBody::Events(Box::new(body)), header_id)
 }

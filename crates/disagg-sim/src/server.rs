@@ -2257,8 +2257,9 @@ type NixlPull = Option<Result<kv::PullTarget, KvTransferError>>;
 
 /// Serves a completion request ([`serve_completion`]), after what its plan decides before
 /// any work: a NIXL pull decode's engine core dying, the release notices armed. A
-/// streamed vLLM chat or completions decode that takes remote KV (or waits for KV
-/// nobody sends) gets its head at once and is served in its body, as vLLM's
+/// streamed vLLM chat or completions decode whose plan may fetch KV (a NIXL pull or push,
+/// a Mooncake transfer, any LMCache decode) or waits for KV nobody sends gets its head
+/// at once and is served in its body, as vLLM's
 /// ([`crate::kv_load_failure::head_first`]).
 async fn serve_or_defer(
     inner: &Arc<Inner>,
@@ -2318,7 +2319,22 @@ async fn serve_or_defer(
         let ids = (request_id.as_str(), header_id.as_deref());
         let pull = (nixl_pull, stuck);
         match serve_completion(&inner, &request, plan, pull, ids, rank, faults, guard).await {
-            Ok(response) => response.into_body(),
+            Ok(response) => {
+                // The head already went out as a 200 event stream: only such an answer's
+                // body may follow it (its own status and headers are dropped here).
+                debug_assert_eq!(response.status(), StatusCode::OK);
+                debug_assert_eq!(
+                    response.headers().get(CONTENT_TYPE),
+                    Some(&HeaderValue::from_static(
+                        "text/event-stream; charset=utf-8"
+                    ))
+                );
+                debug_assert_eq!(
+                    response.headers().get(X_REQUEST_ID),
+                    ids.1.and_then(|r| HeaderValue::from_str(r).ok()).as_ref()
+                );
+                response.into_body()
+            }
             // An error after the head is the stream's, as vLLM's generator raises it.
             Err((e, guard)) => {
                 let ids = stream_ids(&inner, &request, ids.0, ids.1);
@@ -2695,7 +2711,8 @@ async fn serve_completion(
     // vLLM's completions route fails on its first output given `"max_tokens": null`.
     let null_limit = request.null_max_tokens && request.gen_api.is_none();
     if request.stream && null_limit {
-        return Ok(crate::null_limit::stream(config.inter_token_delay, guard));
+        let delay = config.inter_token_delay;
+        return Ok(crate::null_limit::stream(delay, header_id, guard));
     }
     if request.stream {
         let completion_tokens = choices.iter().map(|c| c.steps.len() as u64).sum();

@@ -337,3 +337,246 @@ async fn a_pull_decode_not_streamed_answers_its_failure_in_the_head() {
     let reply = read(head).await;
     assert_transfer_failed(&reply, "");
 }
+
+/// A streamed completions request with `"max_tokens": null` gets the same head with
+/// remote KV (a pull decode: the head goes out before the pull) and without (a plain
+/// request): 200, an event stream, and its `X-Request-Id` echoed as every other
+/// answer of the simulator echoes it; then the null limit's error event and `[DONE]`.
+#[tokio::test]
+async fn a_null_max_tokens_stream_has_the_same_head_with_remote_kv_or_without() {
+    let (p, d) = pair().await;
+    let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
+                     "kv_transfer_params": {"do_remote_decode": true}});
+    let params = prefill(&p, &[], COMPLETIONS, leg).await;
+    let body = |params: Option<Value>| {
+        let mut body = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": null,
+                              "stream": true});
+        if let Some(params) = params {
+            body["kv_transfer_params"] = params;
+        }
+        body
+    };
+    let remote = post_with(
+        d.addr(),
+        COMPLETIONS,
+        &[("x-request-id", "r-1")],
+        &body(Some(params)),
+    )
+    .await;
+    let plain = post_with(
+        d.addr(),
+        COMPLETIONS,
+        &[("x-request-id", "r-2")],
+        &body(None),
+    )
+    .await;
+    for (reply, id) in [(&remote, "r-1"), (&plain, "r-2")] {
+        assert_eq!(reply.status, 200, "{id}: {}", reply.text());
+        assert_eq!(
+            reply.headers["content-type"], "text/event-stream; charset=utf-8",
+            "{id}"
+        );
+        assert_eq!(
+            reply
+                .headers
+                .get("x-request-id")
+                .map(|v| v.to_str().unwrap()),
+            Some(id),
+            "{id}: {:?}",
+            reply.headers
+        );
+        let events = reply.events();
+        assert_eq!(events.len(), 2, "{id}: {}", reply.text());
+        assert_eq!(events[0]["error"]["message"], "max_tokens must not be None");
+        assert_eq!(events[1], "[DONE]");
+    }
+    let s = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!((s.remote_decodes, s.local_prefills), (1, 1));
+}
+
+/// A Mooncake decode gets its head while its fetch waits: its bootstrap query is held
+/// at a gate in place of the prefill's bootstrap server. Let through, the decode pulls
+/// the transfer and streams the answer.
+#[tokio::test]
+async fn a_streamed_mooncake_decode_gets_its_head_while_its_fetch_waits() {
+    let engine = |role, id: &str| SimConfig {
+        kv_mode: KvMode::Mooncake(role),
+        engine_id: Some(id.into()),
+        ..SimConfig::default()
+    };
+    let p = SimEngine::start(engine(SimRole::Prefill, "prefill-0"))
+        .await
+        .unwrap();
+    let d = SimEngine::start(engine(SimRole::Decode, "decode-0"))
+        .await
+        .unwrap();
+    let messages = json!([{"role": "user", "content": PROMPT}]);
+    let leg = json!({"model": "sim-model", "messages": messages, "max_tokens": 1,
+                     "kv_transfer_params": {"do_remote_decode": true,
+                                            "do_remote_prefill": false,
+                                            "transfer_id": "t-1"}});
+    prefill(&p, &[], CHAT, leg).await;
+    assert_eq!(p.stats().kv_transfers_pending, 1);
+    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let body = chat_body(json!({"do_remote_prefill": true, "do_remote_decode": false,
+                                "remote_bootstrap_addr":
+                                    format!("http://{}", gate.local_addr().unwrap()),
+                                "remote_engine_id": "prefill-0", "transfer_id": "t-1"}));
+
+    let mut conn = Conn::open(d.addr()).await;
+    let (accepted, head) = tokio::join!(
+        gate.accept(),
+        send_for_head(&mut conn, CHAT, &[("x-request-id", "mc-1")], body)
+    );
+    // The head came while the query is held at the gate: nothing fetched yet.
+    assert_stream_head(&head);
+    assert_eq!(head.headers()["x-request-id"], "mc-1");
+    let s = d.stats();
+    assert_eq!(
+        (s.remote_decodes, s.kv_pull_failures, s.active_requests),
+        (0, 0, 1)
+    );
+    assert_eq!(p.stats().kv_transfers_pending, 1);
+
+    let_through(accepted.unwrap().0, p.bootstrap_addr().unwrap());
+    let reply = read(head).await;
+    let events = reply.events();
+    let content: String = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(content, disagg_sim::generate(PROMPT, 5, 0).concat());
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    assert!(
+        events.iter().all(|e| e.get("error").is_none()),
+        "{events:?}"
+    );
+    let s = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!(
+        (
+            s.remote_decodes,
+            s.local_prefills,
+            s.kv_pull_failures,
+            s.cancelled
+        ),
+        (1, 0, 0, 0)
+    );
+    assert_eq!(p.stats().kv_transfers_pending, 0);
+}
+
+/// A NIXL push decode whose client leaves after the head, while its registration waits
+/// at the gate: the registration is dropped (its connection closed), the prefill told
+/// to free the blocks its answer named, and the request counted out as cancelled.
+#[tokio::test]
+async fn a_client_leaving_while_a_push_decode_waits_drops_the_registration_and_counts_out() {
+    let engine = |id: &str| SimConfig {
+        kv_mode: KvMode::NixlPush,
+        engine_id: Some(id.into()),
+        ..SimConfig::default()
+    };
+    let p = SimEngine::start(engine("prefill-0")).await.unwrap();
+    let d = SimEngine::start(engine("decode-0")).await.unwrap();
+    let headers = [("x-request-id", "req-1")];
+    let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
+                     "kv_transfer_params": {"do_remote_decode": true}});
+    let mut params = prefill(&p, &headers, COMPLETIONS, leg).await;
+    assert_eq!(p.stats().blocks_held, 3);
+    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    params["remote_port"] = json!(gate.local_addr().unwrap().port());
+    let body = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 5,
+                      "stream": true, "kv_transfer_params": params});
+
+    let mut conn = Conn::open(d.addr()).await;
+    let (accepted, head) = tokio::join!(
+        gate.accept(),
+        send_for_head(&mut conn, COMPLETIONS, &headers, body)
+    );
+    assert_stream_head(&head);
+    let (mut registration, _) = accepted.unwrap();
+    assert_eq!(d.stats().active_requests, 1);
+    drop(head);
+    drop(conn);
+
+    // The registration's connection: its line, then its end.
+    let mut sent = Vec::new();
+    registration.read_to_end(&mut sent).await.unwrap();
+    let line: Value = serde_json::from_slice(&sent).unwrap();
+    assert_eq!(line["register"]["engine_id"], "prefill-0", "{line}");
+    // Then the release notice, on a connection of its own, let through to the prefill.
+    let (release, _) = gate.accept().await.unwrap();
+    let_through(release, p.side_channel_addr());
+
+    let s = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!(
+        (
+            s.cancelled,
+            s.kv_releases_sent,
+            s.kv_pull_failures,
+            s.remote_decodes
+        ),
+        (1, 1, 0, 0)
+    );
+    let ps = wait_for(&p, |s| s.blocks_held == 0).await;
+    assert_eq!(ps.kv_released_on_abort, 1);
+}
+
+/// A streamed decode refused before vLLM returns its generator is still refused in its
+/// head, with no 200 first: a bad field (400), and, answered before the head here
+/// (vLLM's engine core dies after it), a NIXL decode whose `remote_block_ids` name no
+/// block and a NIXL push decode without `tp_size` (500, the engine core dead).
+#[tokio::test]
+async fn a_streamed_decode_refused_before_its_work_is_refused_in_its_head() {
+    let (p, d) = pair().await;
+    let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
+                     "kv_transfer_params": {"do_remote_decode": true}});
+    let params = prefill(&p, &[], COMPLETIONS, leg).await;
+    let refused_head = |engine: &SimEngine, body: Value| {
+        let addr = engine.addr();
+        async move {
+            let mut conn = Conn::open(addr).await;
+            let head = send_for_head(&mut conn, CHAT, &[("x-request-id", "bad-1")], body).await;
+            let reply = read(head).await;
+            assert_eq!(reply.headers["content-type"], "application/json");
+            assert_eq!(reply.headers["x-request-id"], "bad-1");
+            reply
+        }
+    };
+
+    // A bad field: refused before any work, the pull never tried.
+    let mut bad = chat_body(params.clone());
+    bad["stream_options"] = json!("usage please");
+    let reply = refused_head(&d, bad).await;
+    assert_eq!(reply.status, 400, "{}", reply.text());
+    assert!(
+        error_message(&reply).contains("stream_options"),
+        "{}",
+        reply.text()
+    );
+    let s = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!((s.kv_pull_failures, s.remote_decodes), (0, 0));
+    assert_eq!(p.stats().blocks_held, 3);
+
+    // NIXL pull: block ids that name no block.
+    let mut empty = params;
+    empty["remote_block_ids"] = json!([]);
+    let reply = refused_head(&d, chat_body(empty)).await;
+    assert_eq!(reply.status, 500, "{}", reply.text());
+    let s = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!((s.engine_core_deaths, s.kv_pull_failures), (1, 0));
+
+    // NIXL push: a key its scheduler indexes is missing.
+    let push = SimEngine::start(SimConfig {
+        kv_mode: KvMode::NixlPush,
+        engine_id: Some("decode-1".into()),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let missing = json!({"do_remote_prefill": true, "do_remote_decode": false,
+                         "remote_engine_id": "prefill-0", "remote_host": "127.0.0.1",
+                         "remote_port": p.side_channel_addr().port()});
+    let reply = refused_head(&push, chat_body(missing)).await;
+    assert_eq!(reply.status, 500, "{}", reply.text());
+    let s = wait_for(&push, |s| s.active_requests == 0).await;
+    assert_eq!((s.engine_core_deaths, s.kv_pull_failures), (1, 0));
+}
