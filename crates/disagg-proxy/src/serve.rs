@@ -233,7 +233,8 @@ impl Shared {
         // LMCache's probe of a prefill's context length has its own bound (2 s, not
         // the routers' --tokenize-timeout, whose 0 would fail every probe at once),
         // at most half the handoff budget that bounds the plan's resolution (or the
-        // budget's 504 wins over carrying the request with its limit unchecked).
+        // budget's 504 wins over carrying the request with its limit unchecked); a 0
+        // handoff budget (which fails every handoff anyway) reads as the 2 s default.
         let context_probe = disagg_connectors::lmcache::CONTEXT_PROBE_TIMEOUT
             .min(secs(args.reliability.handoff_timeout, "handoff-timeout")? / 2);
         let connector = args.connector.connector(

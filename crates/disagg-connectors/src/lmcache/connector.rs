@@ -49,9 +49,11 @@
 //!    one probe; one the remembered length would refuse asks afresh: see
 //!    `context.rs`), none for a limit of 1 (the prefill's token, no decode leg) or a
 //!    `min_tokens` above the limit (refused). A request waits at most
-//!    [`CONTEXT_PROBE_TIMEOUT`] (2 s) for it. A probe that fails on the engine's side
-//!    (no answer in that time among those) fails a client without a limit (502, the
-//!    prefill named) and leaves a limit unchecked, the failure remembered for 10 s.
+//!    the connector's probe time ([`CONTEXT_PROBE_TIMEOUT`], 2 s, by default) for it. A
+//!    probe that fails on the engine's side (no answer in that time among those) fails
+//!    a client without a limit (502; the prefill named and counted once per probe, by
+//!    the first such request) and leaves a limit unchecked, the failure remembered for
+//!    10 s.
 //!    Never `null`:
 //!    vLLM's completions route asserts a number for every output. Only when the
 //!    prefill's answer gives no `max_model_len` is the key left out (vLLM's 16).

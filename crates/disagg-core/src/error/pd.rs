@@ -361,10 +361,9 @@ impl PdError {
         }
     }
 
-    /// OpenAI's `error.type` for this error.
     /// OpenAI's `error.type` for the error event that ends a stream with this error: an
-    /// engine's own 4xx (a decode refusing its leg after the stream began) is the
-    /// request's, `invalid_request_error` (`rate_limit_error` for a 429), though the
+    /// engine's own 4xx (a decode refusing its leg after the stream began, or a prefill
+    /// riding in the stream) is the request's, `invalid_request_error` (`rate_limit_error` for a 429), though the
     /// proxy's answer to it before a stream began is a 502.
     pub(crate) fn event_type(&self) -> &'static str {
         match self.engine_status().map(|s| s.as_u16()) {
@@ -374,6 +373,7 @@ impl PdError {
         }
     }
 
+    /// OpenAI's `error.type` for this error.
     pub(crate) fn error_type(&self) -> &'static str {
         match self.status().as_u16() {
             429 => "rate_limit_error",

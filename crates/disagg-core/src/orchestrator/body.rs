@@ -374,6 +374,8 @@ pub(crate) struct StreamTimer {
     /// Held (`last` unset) until the concurrent prefill riding in the stream answered,
     /// or a chunk came, whichever is first.
     prefill: bool,
+    /// A mid-stream migration's continuation was being started at the last look.
+    continuing: bool,
     endpoint: EndpointId,
 }
 
@@ -396,6 +398,7 @@ impl StreamTimer {
             deadline,
             last: (!held).then_some(now),
             prefill: false,
+            continuing: false,
             endpoint: endpoint.clone(),
         };
         let at = t.limit();
@@ -436,6 +439,15 @@ impl StreamTimer {
             // Held, or (never) built without a limit: far away.
             (None, None) => Instant::now() + Duration::from_secs(86_400 * 365),
         }
+    }
+
+    /// Whether a continuation is being started (`on`): its start is the proxy's
+    /// silence, and the idle time counts from its end (the first look after it).
+    fn continuing(&mut self, on: bool) {
+        if on || self.continuing {
+            self.chunk();
+        }
+        self.continuing = on;
     }
 
     /// A chunk arrived.
@@ -841,8 +853,8 @@ impl PdBody {
                             .as_ref()
                             .and_then(|f| f.moved.as_ref())
                             .is_some_and(|m| m.continuing());
-                        if continuing && let Some(t) = this.timer.as_mut() {
-                            t.get_mut().chunk();
+                        if let Some(t) = this.timer.as_mut() {
+                            t.get_mut().continuing(continuing);
                         }
                         let flowing = || {
                             let late = finish.as_ref().and_then(|f| f.late.as_ref());

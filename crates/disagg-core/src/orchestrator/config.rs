@@ -52,7 +52,8 @@ pub enum KvRelease {
     Off,
     /// For connectors that send the decode after the prefill
     /// ([`Dispatch::AfterPrefill`](crate::connector::Dispatch::AfterPrefill), vLLM NIXL): when a request ends after its prefill
-    /// answered with a handoff but before the decode's response head arrived (the
+    /// answered with a handoff but before the first frame of the decode's 2xx answer
+    /// (a plan with a gate: before its head) arrived (the
     /// client left, a budget ran out, the decode could not be reached), send the
     /// decode leg anyway as a one-token, non-streaming request and drop it after
     /// `wait`: the decode engine takes (and so frees) the blocks, or, aborted while
@@ -132,6 +133,8 @@ pub struct OrchestratorConfig {
     /// Time from sending the decode leg to its response head.
     pub decode_head_timeout: Duration,
     /// Longest silence between two chunks of the decode's body once its head arrived
+    /// (with both legs at once, once the prefill answered or a chunk came, whichever is
+    /// first; a mid-stream migration's continuation being started does not count)
     /// (default 120 s; `None`: no limit). A non-streaming decode is silent until its
     /// answer is complete, so this must exceed the longest generation of those. A
     /// stream the proxy begins before the decode leg is sent (a plan's lead) does not

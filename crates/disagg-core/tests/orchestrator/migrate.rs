@@ -494,6 +494,28 @@ async fn a_continuation_slower_to_start_than_the_idle_time_is_not_idle() {
     assert_settled(&orch);
 }
 
+/// The idle time counts from the continuation's start ending, not from the last thing
+/// that happened during it (the fresh prefill's answer at 500 ms, or a look of the idle
+/// timer's): the continuation's decode answers its head 250 ms after the prefill and its
+/// first chunk 250 ms after that, within the idle time of 300 ms.
+#[tokio::test(start_paused = true)]
+async fn the_idle_time_after_a_continuation_counts_from_its_start_ending() {
+    let fake = Fake::new();
+    let rest = Reply::sse()
+        .after(ms(250))
+        .frame(ms(250), continued("B", 8, Some("length")))
+        .frame(ms(0), DONE);
+    continued_once(&fake, prefill_answer().after(ms(500)), rest);
+    let mut config = continuing(1, false);
+    config.decode_idle_timeout = Some(ms(300));
+    let orch = over(&fake, &[P1], &[D1, D2], VllmNixl::new(), config).build();
+    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    let all = read_to_end(&mut body).await;
+    assert!(all.contains("\"B\"") && all.ends_with(DONE), "{all}");
+    drop(body);
+    assert_settled(&orch);
+}
+
 /// A chat without a token limit is not migrated: its continuation would go to the
 /// completions API, which vLLM fails on a `"max_tokens": null` (it asserts a number),
 /// and the proxy does not know the model's context length to say the rest in numbers.
