@@ -475,45 +475,34 @@ async fn a_continuation_under_a_head_timeout_the_clock_cannot_hold_moves_on() {
     }
 }
 
-/// A continuation whose fresh prefill takes longer (500 ms) than the decode idle time
-/// (300 ms): the client's stream is silent for the proxy's doing, within the
-/// continuation's own window, not the decode's. The stream moves on and ends well; the
-/// idle time counts again once the continuation streams.
+/// A continuation slower to start than the decode idle time (300 ms): its fresh prefill
+/// answers at 500 ms, and its decode its head at once, or 250 ms later with its first
+/// chunk 250 ms after that. The client's stream is silent for the proxy's doing, within
+/// the continuation's own window, not the decode's; the idle time counts from the
+/// start's end, not from the last thing that happened during it (the prefill's answer,
+/// or a look of the idle timer's). The stream moves on and ends well.
 #[tokio::test(start_paused = true)]
 async fn a_continuation_slower_to_start_than_the_idle_time_is_not_idle() {
-    let fake = Fake::new();
-    continued_once(&fake, prefill_answer().after(ms(500)), to_the_end("B", 8));
-    let mut config = continuing(1, false);
-    config.decode_idle_timeout = Some(ms(300));
-    let orch = over(&fake, &[P1], &[D1, D2], VllmNixl::new(), config).build();
-    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
-    let all = read_to_end(&mut body).await;
-    assert!(all.contains("\"A\"") && all.contains("\"B\""), "{all}");
-    assert!(all.ends_with(DONE), "{all}");
-    drop(body);
-    assert_settled(&orch);
-}
-
-/// The idle time counts from the continuation's start ending, not from the last thing
-/// that happened during it (the fresh prefill's answer at 500 ms, or a look of the idle
-/// timer's): the continuation's decode answers its head 250 ms after the prefill and its
-/// first chunk 250 ms after that, within the idle time of 300 ms.
-#[tokio::test(start_paused = true)]
-async fn the_idle_time_after_a_continuation_counts_from_its_start_ending() {
-    let fake = Fake::new();
-    let rest = Reply::sse()
+    let late = Reply::sse()
         .after(ms(250))
         .frame(ms(250), continued("B", 8, Some("length")))
         .frame(ms(0), DONE);
-    continued_once(&fake, prefill_answer().after(ms(500)), rest);
-    let mut config = continuing(1, false);
-    config.decode_idle_timeout = Some(ms(300));
-    let orch = over(&fake, &[P1], &[D1, D2], VllmNixl::new(), config).build();
-    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
-    let all = read_to_end(&mut body).await;
-    assert!(all.contains("\"B\"") && all.ends_with(DONE), "{all}");
-    drop(body);
-    assert_settled(&orch);
+    for (what, rest) in [("head at once", to_the_end("B", 8)), ("head late", late)] {
+        let fake = Fake::new();
+        continued_once(&fake, prefill_answer().after(ms(500)), rest);
+        let mut config = continuing(1, false);
+        config.decode_idle_timeout = Some(ms(300));
+        let orch = over(&fake, &[P1], &[D1, D2], VllmNixl::new(), config).build();
+        let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+        let all = read_to_end(&mut body).await;
+        assert!(
+            all.contains("\"A\"") && all.contains("\"B\""),
+            "{what}: {all}"
+        );
+        assert!(all.ends_with(DONE), "{what}: {all}");
+        drop(body);
+        assert_settled(&orch);
+    }
 }
 
 /// A chat without a token limit is not migrated: its continuation would go to the
