@@ -78,6 +78,19 @@ fn without_created(reply: &Reply) -> Vec<Value> {
     events
 }
 
+/// `d`'s counts once it has no request left: remote decodes, local prefills, failed
+/// pulls, cancelled requests, release notices sent.
+async fn counted_out(d: &SimEngine) -> [u64; 5] {
+    let s = wait_for(d, |s| s.active_requests == 0).await;
+    [
+        s.remote_decodes,
+        s.local_prefills,
+        s.kv_pull_failures,
+        s.cancelled,
+        s.kv_releases_sent,
+    ]
+}
+
 /// Relays a gated connection to `to`, both ways, until either side closes.
 fn let_through(mut gated: TcpStream, to: std::net::SocketAddr) {
     tokio::spawn(async move {
@@ -152,16 +165,7 @@ async fn a_streamed_pull_decode_gets_its_head_while_its_pull_waits() {
         .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
         .collect();
     assert_eq!(content, disagg_sim::generate(PROMPT, 5, 0).concat());
-    let s = wait_for(&d, |s| s.active_requests == 0).await;
-    assert_eq!(
-        (
-            s.remote_decodes,
-            s.kv_pull_failures,
-            s.local_prefills,
-            s.cancelled
-        ),
-        (2, 0, 0, 0)
-    );
+    assert_eq!(counted_out(&d).await, [2, 0, 0, 0, 0]);
     assert_eq!(p.stats().blocks_held, 0);
 }
 
@@ -189,11 +193,7 @@ async fn a_pull_that_fails_after_the_head_ends_the_stream_with_the_error_event()
     assert!(message.starts_with("KV transfer failed: "), "{message}");
     assert_eq!(events[1]["error"]["code"], 500);
     assert_eq!(events[2], "[DONE]");
-    let s = wait_for(&d, |s| s.active_requests == 0).await;
-    assert_eq!(
-        (s.kv_pull_failures, s.remote_decodes, s.cancelled),
-        (1, 0, 0)
-    );
+    assert_eq!(counted_out(&d).await, [0, 0, 1, 0, 0]);
 }
 
 /// A client that leaves after the head, while the pull waits: the pull is dropped (its
@@ -229,16 +229,7 @@ async fn a_client_leaving_while_the_pull_waits_drops_the_pull_and_counts_out() {
         .unwrap();
     let _ = tokio::io::copy_bidirectional(&mut release, &mut upstream).await;
 
-    let s = wait_for(&d, |s| s.active_requests == 0).await;
-    assert_eq!(
-        (
-            s.cancelled,
-            s.kv_releases_sent,
-            s.kv_pull_failures,
-            s.remote_decodes
-        ),
-        (1, 1, 0, 0)
-    );
+    assert_eq!(counted_out(&d).await, [0, 0, 0, 1, 1]);
     let ps = wait_for(&p, |s| s.blocks_held == 0).await;
     assert_eq!(ps.kv_released_on_abort, 1);
 }
@@ -285,8 +276,7 @@ async fn a_streamed_push_decode_gets_its_head_while_its_registration_waits() {
         .collect();
     assert_eq!(text, disagg_sim::generate(PROMPT, 5, 0).concat());
     assert_eq!(events.last().unwrap(), "[DONE]");
-    let s = wait_for(&d, |s| s.active_requests == 0).await;
-    assert_eq!((s.remote_decodes, s.kv_pull_failures), (1, 0));
+    assert_eq!(counted_out(&d).await, [1, 0, 0, 0, 0]);
     assert_eq!(p.stats().blocks_held, 0);
 }
 
@@ -310,8 +300,7 @@ async fn a_stuck_streamed_mooncake_decode_sends_its_head_and_waits_until_the_cli
     assert_eq!(s.active_requests, 1);
     drop(head);
     drop(conn);
-    let s = wait_for(&d, |s| s.active_requests == 0).await;
-    assert_eq!((s.cancelled, s.remote_decodes, s.local_prefills), (1, 0, 0));
+    assert_eq!(counted_out(&d).await, [0, 0, 0, 1, 0]);
 }
 
 /// Not streamed, vLLM answers at the end: a decode whose pull fails gets its 500 head
@@ -451,16 +440,7 @@ async fn a_streamed_mooncake_decode_gets_its_head_while_its_fetch_waits() {
         events.iter().all(|e| e.get("error").is_none()),
         "{events:?}"
     );
-    let s = wait_for(&d, |s| s.active_requests == 0).await;
-    assert_eq!(
-        (
-            s.remote_decodes,
-            s.local_prefills,
-            s.kv_pull_failures,
-            s.cancelled
-        ),
-        (1, 0, 0, 0)
-    );
+    assert_eq!(counted_out(&d).await, [1, 0, 0, 0, 0]);
     assert_eq!(p.stats().kv_transfers_pending, 0);
 }
 
@@ -506,16 +486,7 @@ async fn a_client_leaving_while_a_push_decode_waits_drops_the_registration_and_c
     let (release, _) = gate.accept().await.unwrap();
     let_through(release, p.side_channel_addr());
 
-    let s = wait_for(&d, |s| s.active_requests == 0).await;
-    assert_eq!(
-        (
-            s.cancelled,
-            s.kv_releases_sent,
-            s.kv_pull_failures,
-            s.remote_decodes
-        ),
-        (1, 1, 0, 0)
-    );
+    assert_eq!(counted_out(&d).await, [0, 0, 0, 1, 1]);
     let ps = wait_for(&p, |s| s.blocks_held == 0).await;
     assert_eq!(ps.kv_released_on_abort, 1);
 }
