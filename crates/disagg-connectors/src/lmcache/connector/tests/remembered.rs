@@ -287,6 +287,15 @@ async fn resolved(
     Ok(h)
 }
 
+/// [`resolved`] on `prefill` [`P`], which must end (a request waiting for good fails the
+/// test) and succeed.
+async fn resolved_in_time(c: &Lmcache, engines: &Engines, req: &PdRequest) -> Handoff {
+    tokio::time::timeout(NEVER, resolved(c, P, engines, req))
+        .await
+        .expect("the request waited for good")
+        .unwrap_or_else(|e| panic!("{}", error_chain(&e)))
+}
+
 /// The decode leg's budget once the prefill answered a first token: the rest of the
 /// context for a client without a limit (the context less the ids and that token).
 async fn decode_budget(c: &Lmcache, mut h: Handoff) -> Value {
@@ -666,10 +675,7 @@ async fn a_probe_never_answered_leaves_a_limit_unchecked_within_its_bound() {
     let engines = Engines::new(64);
     engines.fail_tokenize(Some(Fault::Silent));
     let start = tokio::time::Instant::now();
-    let h = tokio::time::timeout(NEVER, resolved(&c, P, &engines, &client_ids(7)))
-        .await
-        .expect("the request waited for good")
-        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let h = resolved_in_time(&c, &engines, &client_ids(7)).await;
     assert_eq!(start.elapsed(), CONTEXT_PROBE_TIMEOUT);
     assert_eq!(engines.probes(P), 1);
     assert_eq!(decode_budget(&c, h).await, json!(6));
@@ -905,10 +911,7 @@ async fn a_probe_whose_asker_is_never_polled_again_ends_within_its_bound() {
     let mut asker = Box::pin(resolved(&c, P, &engines, &reqs[0]));
     assert!(futures::poll!(asker.as_mut()).is_pending());
     let start = tokio::time::Instant::now();
-    tokio::time::timeout(NEVER, resolved(&c, P, &engines, &reqs[1]))
-        .await
-        .expect("the request waited for good")
-        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    resolved_in_time(&c, &engines, &reqs[1]).await;
     assert_eq!(start.elapsed(), CONTEXT_PROBE_TIMEOUT);
     assert_eq!(c.contexts.flights_under_way(), 0);
 
@@ -964,19 +967,13 @@ async fn a_zero_bound_is_the_default() {
     let c = connector().with_context_probe_timeout(Duration::ZERO);
     let engines = Engines::new(64);
     engines.delay_tokenize(Duration::from_millis(100));
-    let h = tokio::time::timeout(NEVER, resolved(&c, P, &engines, &routed_unlimited()))
-        .await
-        .expect("the request waited for good")
-        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let h = resolved_in_time(&c, &engines, &routed_unlimited()).await;
     assert_eq!(decode_budget(&c, h).await, json!(61));
 
     let c = connector().with_context_probe_timeout(Duration::ZERO);
     engines.fail_tokenize(Some(Fault::Silent));
     let start = tokio::time::Instant::now();
-    tokio::time::timeout(NEVER, resolved(&c, P, &engines, &client_ids(7)))
-        .await
-        .expect("the request waited for good")
-        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    resolved_in_time(&c, &engines, &client_ids(7)).await;
     assert_eq!(start.elapsed(), CONTEXT_PROBE_TIMEOUT);
 }
 
@@ -989,10 +986,7 @@ async fn the_probes_bound_is_the_connectors_to_set() {
     let engines = Engines::new(64);
     engines.fail_tokenize(Some(Fault::Silent));
     let start = tokio::time::Instant::now();
-    tokio::time::timeout(NEVER, resolved(&c, P, &engines, &client_ids(7)))
-        .await
-        .expect("the request waited for good")
-        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    resolved_in_time(&c, &engines, &client_ids(7)).await;
     assert_eq!(start.elapsed(), bound);
 }
 
@@ -1044,10 +1038,7 @@ async fn a_bound_past_the_longest_is_held_to_it() {
     let engines = Engines::new(64);
     engines.fail_tokenize(Some(Fault::Silent));
     let start = tokio::time::Instant::now();
-    tokio::time::timeout(NEVER, resolved(&c, P, &engines, &client_ids(7)))
-        .await
-        .expect("the request waited for good")
-        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    resolved_in_time(&c, &engines, &client_ids(7)).await;
     assert_eq!(start.elapsed(), MAX_CONTEXT_PROBE_TIMEOUT);
     assert_eq!(c.contexts.flights_under_way(), 0);
     assert_eq!(engines.probes(P), 1, "{:?}", engines.uris());
