@@ -234,6 +234,22 @@ async fn a_client_leaving_while_the_pull_waits_drops_the_pull_and_counts_out() {
     assert_eq!(ps.kv_released_on_abort, 1);
 }
 
+/// A NIXL push prefill and decode, and the handoff of a prefill leg (request id
+/// `req-1`) the prefill answered.
+async fn push_pair() -> (SimEngine, SimEngine, Value) {
+    let engine = |id: &str| SimConfig {
+        kv_mode: KvMode::NixlPush,
+        engine_id: Some(id.into()),
+        ..SimConfig::default()
+    };
+    let p = SimEngine::start(engine("prefill-0")).await.unwrap();
+    let d = SimEngine::start(engine("decode-0")).await.unwrap();
+    let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
+                     "kv_transfer_params": {"do_remote_decode": true}});
+    let params = prefill(&p, &[("x-request-id", "req-1")], COMPLETIONS, leg).await;
+    (p, d, params)
+}
+
 fn notice_line(notice: &SideChannelRelease) -> String {
     let mut line = serde_json::to_string(notice).unwrap();
     line.push('\n');
@@ -244,17 +260,8 @@ fn notice_line(notice: &SideChannelRelease) -> String {
 /// through, the prefill pairs it and the stream is the answer.
 #[tokio::test]
 async fn a_streamed_push_decode_gets_its_head_while_its_registration_waits() {
-    let engine = |id: &str| SimConfig {
-        kv_mode: KvMode::NixlPush,
-        engine_id: Some(id.into()),
-        ..SimConfig::default()
-    };
-    let p = SimEngine::start(engine("prefill-0")).await.unwrap();
-    let d = SimEngine::start(engine("decode-0")).await.unwrap();
+    let (p, d, mut params) = push_pair().await;
     let headers = [("x-request-id", "req-1")];
-    let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
-                     "kv_transfer_params": {"do_remote_decode": true}});
-    let mut params = prefill(&p, &headers, COMPLETIONS, leg).await;
     let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
     params["remote_port"] = json!(gate.local_addr().unwrap().port());
     let body = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 5,
@@ -449,17 +456,8 @@ async fn a_streamed_mooncake_decode_gets_its_head_while_its_fetch_waits() {
 /// to free the blocks its answer named, and the request counted out as cancelled.
 #[tokio::test]
 async fn a_client_leaving_while_a_push_decode_waits_drops_the_registration_and_counts_out() {
-    let engine = |id: &str| SimConfig {
-        kv_mode: KvMode::NixlPush,
-        engine_id: Some(id.into()),
-        ..SimConfig::default()
-    };
-    let p = SimEngine::start(engine("prefill-0")).await.unwrap();
-    let d = SimEngine::start(engine("decode-0")).await.unwrap();
+    let (p, d, mut params) = push_pair().await;
     let headers = [("x-request-id", "req-1")];
-    let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
-                     "kv_transfer_params": {"do_remote_decode": true}});
-    let mut params = prefill(&p, &headers, COMPLETIONS, leg).await;
     assert_eq!(p.stats().blocks_held, 3);
     let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
     params["remote_port"] = json!(gate.local_addr().unwrap().port());
