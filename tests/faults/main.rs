@@ -641,3 +641,78 @@ async fn a_prefill_without_handoff_is_502_under_missing_kv_fail() {
     assert_eq!(a.header("x-disagg-handoff"), Some("kv"));
     assert_eq!(stack.d().stats().remote_decodes, 1);
 }
+
+/// The same failed KV load on a streamed `/v1/messages` request: vLLM 0.33's Anthropic
+/// route runs the chat stream generator under its converter, which writes
+/// `message_start` for the role chunk, then an `event: error` typed after the status
+/// (500: `api_error`), and nothing after it. The client gets that stream, and the
+/// request is told as the decode's failure, as on chat.
+#[tokio::test]
+async fn a_kv_load_failure_streamed_by_the_decode_on_messages_is_told_as_its_failure() {
+    let wrong = SimConfig {
+        advertised_host: "127.0.0.2".into(),
+        ..Default::default()
+    };
+    let heard = Heard::default();
+    let stack = Stack::builder()
+        .prefill(vec![wrong])
+        .listener(heard.clone())
+        .build()
+        .await;
+    let body = serde_json::json!({"model": "sim-model", "max_tokens": 4, "stream": true,
+                                  "messages": [{"role": "user", "content": "x"}]});
+    let a = post(&stack.url, "/v1/messages", body.to_string(), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    // Anthropic's frames: `event: <name>` then `data: <json>`.
+    let text = a.text();
+    let frames: Vec<(&str, serde_json::Value)> = text
+        .split("\n\n")
+        .filter(|f| !f.is_empty())
+        .map(|f| {
+            let (name, data) = f.split_once('\n').unwrap_or_else(|| panic!("{text}"));
+            let name = name
+                .strip_prefix("event: ")
+                .unwrap_or_else(|| panic!("{text}"));
+            let data = data
+                .strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("{text}"));
+            (name, serde_json::from_str(data).unwrap())
+        })
+        .collect();
+    let names: Vec<&str> = frames.iter().map(|(n, _)| *n).collect();
+    assert_eq!(names, ["message_start", "error"], "{text}");
+    let error = &frames[1].1;
+    assert_eq!(
+        (&error["type"], &error["error"]["type"]),
+        (&"error".into(), &"api_error".into()),
+        "{text}"
+    );
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("KV transfer failed")),
+        "{text}"
+    );
+    assert_eq!(stack.d().stats().kv_pull_failures, 1);
+    let summary = heard.first(1).await.remove(0);
+    assert_eq!(
+        (summary.delivery, summary.error),
+        (
+            disagg_core::outcome::Delivery::Broken,
+            Some("decode_error_event")
+        )
+    );
+    let reports = heard.reports();
+    let [report] = &reports[..] else {
+        panic!("one attempt: {reports:?}")
+    };
+    use disagg_core::outcome::{LegOutcome, Outcome};
+    assert_eq!(
+        (report.outcome, report.prefill, report.decode),
+        (
+            Outcome::DecodeFailed,
+            LegOutcome::Answered,
+            LegOutcome::Failed
+        )
+    );
+}

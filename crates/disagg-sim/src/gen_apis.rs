@@ -330,7 +330,7 @@ impl Answer<'_> {
     fn id(&self) -> String {
         match self.api {
             GenApi::TokenIn => format!("generate-tokens-{}", self.request_id),
-            GenApi::Messages => format!("msg_{}", self.request_id),
+            GenApi::Messages => messages_id(self.request_id),
             GenApi::Responses => format!("resp_{}", self.request_id),
             GenApi::Cohere => format!("chatcmpl-{}", self.request_id),
         }
@@ -476,12 +476,7 @@ impl Answer<'_> {
             GenApi::Messages => {
                 let c = self.first();
                 let (stop_reason, stop_sequence) = anthropic_stop(c);
-                let start = json!({"type": "message_start", "message": {
-                    "id": id, "type": "message", "role": "assistant", "model": self.model,
-                    "content": [], "stop_reason": null, "stop_sequence": null,
-                    "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0},
-                }});
-                events.push_back(event("message_start", &start)?);
+                events.push_back(message_start(&id, &json!(self.model), self.prompt_tokens));
                 let block = json!({"type": "content_block_start", "index": 0,
                                    "content_block": {"type": "text", "text": ""}});
                 events.push_back(event("content_block_start", &block)?);
@@ -570,6 +565,49 @@ fn anthropic_stop(c: Option<&Generation>) -> (&'static str, Option<String>) {
         }) => ("stop_sequence", Some(s.clone())),
         _ => ("end_turn", None),
     }
+}
+
+/// The id of a Messages answer to the engine's request `request_id`.
+fn messages_id(request_id: &str) -> String {
+    format!("msg_{request_id}")
+}
+
+/// A Messages stream's `message_start` event, as vLLM's converter writes it for the
+/// chat generator's first chunk: no content yet, the prompt's tokens as its usage.
+fn message_start(id: &str, model: &Value, prompt_tokens: u64) -> Bytes {
+    let start = json!({"type": "message_start", "message": {
+        "id": id, "type": "message", "role": "assistant", "model": model,
+        "content": [], "stop_reason": null, "stop_sequence": null,
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+    }});
+    value_event("message_start", &start)
+}
+
+/// The events of a streamed `/v1/messages` request whose chat generator yielded `error`
+/// after its role chunk (a failed KV load: [`crate::kv_load_failure`]). vLLM 0.33's
+/// `message_stream_converter` (`vllm/entrypoints/anthropic/serving.py`) made
+/// `message_start` of the role chunk; the error ends it with an `error` event typed
+/// after the error's status (`translate_error_type`), no content block being open, and
+/// nothing follows it (no `message_stop`, no `[DONE]`). `request_id` is the engine's
+/// request id, `model` the model the answer names (JSON).
+pub(crate) fn failed_messages_events(
+    request_id: &str,
+    model: &Value,
+    prompt_tokens: u64,
+    error: &ApiError,
+) -> VecDeque<Bytes> {
+    let id = messages_id(request_id);
+    let failure = json!({"type": "error",
+                         "error": {"type": anthropic_type(error.status), "message": error.message}});
+    VecDeque::from([
+        message_start(&id, model, prompt_tokens),
+        value_event("error", &failure),
+    ])
+}
+
+/// One `event:`/`data:` pair of a built JSON value (whose writing cannot fail).
+fn value_event(name: &str, value: &Value) -> Bytes {
+    Bytes::from(format!("event: {name}\ndata: {value}\n\n"))
 }
 
 /// One `event:`/`data:` pair (Anthropic's stream format).

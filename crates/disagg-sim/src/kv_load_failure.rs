@@ -25,6 +25,14 @@
 //!   `assert request.max_tokens is not None`, which comes before both, fails first:
 //!   the stream is that error event ([`crate::null_limit`]), then `data: [DONE]`, no
 //!   usage chunk, echo or not.
+//! * **Messages** (`/v1/messages`, `vllm/entrypoints/anthropic/serving.py`): the route
+//!   streams the chat generator's chunks (`chat_completion_stream_generator_raw`,
+//!   with continuous usage) through `message_stream_converter`. The role chunk becomes
+//!   `message_start` (the prompt's tokens as its usage); the generator's
+//!   `ErrorResponse` then ends the stream with `event: error`,
+//!   `{"type":"error","error":{"type","message"}}`, typed after its status
+//!   (`translate_error_type` in `anthropic/protocol.py`: 500 is `api_error`). No content
+//!   block was opened, and nothing follows: no `message_stop`, no `[DONE]`.
 //!
 //! The same holds whatever connector failed the load: NIXL (pull or push), Mooncake,
 //! and LMCache, whose vLLM connector forwards its engine's
@@ -33,10 +41,10 @@
 //! LMCache's `"KV cache for this request has not arrived (...)"`, saying why); vLLM's
 //! says `"Internal server error"`.
 //!
-//! The head comes first as vLLM's does: a streamed chat or completions request that a
-//! vLLM decode may fetch KV for gets its 200 head once its request was read and checked,
-//! and the KV's wait is its body's ([`head_first`]): the stream of a served answer, or
-//! the failure's above, follows when the fetch ends (a peer that never answers: after
+//! The head comes first as vLLM's does: a streamed chat, completions or `/v1/messages`
+//! request that a vLLM decode may fetch KV for gets its 200 head once its request was
+//! read and checked, and the KV's wait is its body's ([`head_first`]): the stream of a
+//! served answer, or the failure's above, follows when the fetch ends (a peer that never answers: after
 //! [`crate::SimConfig::bootstrap_timeout`]). Those are the requests to a NIXL pull
 //! decode with `do_remote_prefill` and block ids (one whose handoff a fault loses, then
 //! prefilled here, included), to a NIXL push decode whose parameters name its prefill,
@@ -63,6 +71,13 @@
 //!   parameters are invalid and so prefills here): vLLM sends it at once too, the
 //!   simulator only after the request's queueing ([`crate::SimConfig::max_num_seqs`],
 //!   [`crate::SimConfig::request_delay`]) and local prefill;
+//! * the other generation routes (`/v1/responses`, `/cohere/v2/chat`,
+//!   `/inference/v1/generate`): refused in their head, as before the engine was asked.
+//!   (vLLM 0.33's Cohere route streams `message-start`, then `message-end` with
+//!   `delta.error` and `finish_reason` `ERROR`, then `data: [DONE]`:
+//!   `vllm/entrypoints/cohere/serving.py` `_chat_completion_stream_to_v2`);
+//! * the id of a Messages stream's `message_start`: vLLM's is the chat chunk's
+//!   (`chatcmpl-…`), the simulator's `msg_…`, as on a served stream;
 //! * chat's `echo`: vLLM writes, after the role chunks, one chunk per choice echoing
 //!   the last message's content when that message's role is the answer's (an
 //!   assistant prefix); the simulator writes none, here as on a served stream;
@@ -76,8 +91,9 @@ use http::header::{CONTENT_TYPE, HeaderValue};
 use serde_json::Value;
 
 use crate::api::{ApiError, CompletionRequest};
-use crate::body::{Endpoint, SimBody, SseBody, SseSpec};
+use crate::body::{Endpoint, EventsBody, SimBody, SseBody, SseSpec};
 use crate::config::KvMode;
+use crate::gen_apis::GenApi;
 use crate::generate::{Finish, Generation};
 use crate::stats::RequestGuard;
 
@@ -86,6 +102,9 @@ use crate::stats::RequestGuard;
 pub(crate) struct StreamIds<'a> {
     /// `chatcmpl-…` or `cmpl-…`.
     pub(crate) id: String,
+    /// The engine's request id the answer's id is made of (a Messages answer's
+    /// `msg_…`).
+    pub(crate) request_id: String,
     pub(crate) created: u64,
     /// The model the answer names, JSON-encoded.
     pub(crate) model_json: String,
@@ -94,10 +113,11 @@ pub(crate) struct StreamIds<'a> {
 }
 
 /// Whether a request whose KV load failed is answered with a stream
-/// ([`stream`]): a streamed chat or completions request to a vLLM engine. Such a
-/// request's head goes out before its KV is loaded ([`head_first`]).
+/// ([`stream`]): a streamed chat, completions or `/v1/messages` request to a vLLM
+/// engine. Such a request's head goes out before its KV is loaded ([`head_first`]).
 pub(crate) fn streamed(mode: KvMode, request: &CompletionRequest) -> bool {
-    mode.is_vllm() && request.stream && request.gen_api.is_none() && request.native.is_none()
+    let api = matches!(request.gen_api, None | Some(GenApi::Messages));
+    mode.is_vllm() && request.stream && api && request.native.is_none()
 }
 
 /// The answer to a request whose KV load failed with `error`: the stream of [`stream`]
@@ -117,14 +137,17 @@ pub(crate) fn answer(
     }
 }
 
-/// The streamed answer of a vLLM chat or completions request whose KV load failed with
-/// `error`: a 200 head, then what the module's documentation says.
+/// The streamed answer of a vLLM chat, completions or `/v1/messages` request whose KV
+/// load failed with `error`: a 200 head, then what the module's documentation says.
 pub(crate) fn stream(
     request: &CompletionRequest,
     error: &ApiError,
     ids: StreamIds<'_>,
     guard: RequestGuard,
 ) -> Response<SimBody> {
+    if request.gen_api == Some(GenApi::Messages) {
+        return messages_stream(request, error, ids, guard);
+    }
     let chat = request.endpoint == Endpoint::Chat;
     // Chat has one prompt: its `n` choices get their role chunks.
     let choices = if chat {
@@ -172,6 +195,25 @@ pub(crate) fn stream(
         SimBody::Sse(Box::new(SseBody::new(spec, guard))),
         ids.header_id,
     )
+}
+
+/// The streamed answer of a `/v1/messages` request whose KV load failed with `error`
+/// ([`crate::gen_apis::failed_messages_events`]).
+fn messages_stream(
+    request: &CompletionRequest,
+    error: &ApiError,
+    ids: StreamIds<'_>,
+    guard: RequestGuard,
+) -> Response<SimBody> {
+    let model = serde_json::from_str::<Value>(&ids.model_json).unwrap_or(Value::Null);
+    let events = crate::gen_apis::failed_messages_events(
+        &ids.request_id,
+        &model,
+        request.prompt_tokens,
+        error,
+    );
+    let body = EventsBody::new(events, std::time::Duration::ZERO, None, guard);
+    sse_response(SimBody::Events(Box::new(body)), ids.header_id)
 }
 
 /// The answer of a [`streamed`] request that may fetch KV (which ones: the module's

@@ -2049,6 +2049,7 @@ fn stream_ids<'a>(
 ) -> crate::kv_load_failure::StreamIds<'a> {
     crate::kv_load_failure::StreamIds {
         id: answer_id(request.endpoint, request_id),
+        request_id: request_id.to_owned(),
         created: unix_now(),
         model_json: model_json(inner, request),
         header_id,
@@ -2257,9 +2258,9 @@ type NixlPull = Option<Result<kv::PullTarget, KvTransferError>>;
 
 /// Serves a completion request ([`serve_completion`]), after what its plan decides before
 /// any work: a NIXL pull decode's engine core dying, the release notices armed. A
-/// streamed vLLM chat or completions decode whose plan may fetch KV (a NIXL pull or push,
-/// a Mooncake transfer, any LMCache decode) or waits for KV nobody sends gets its head
-/// at once and is served in its body, as vLLM's
+/// streamed vLLM chat, completions or `/v1/messages` decode whose plan may fetch KV (a
+/// NIXL pull or push, a Mooncake transfer, any LMCache decode) or waits for KV nobody
+/// sends gets its head at once and is served in its body, as vLLM's
 /// ([`crate::kv_load_failure::head_first`]).
 async fn serve_or_defer(
     inner: &Arc<Inner>,
@@ -2703,7 +2704,16 @@ async fn serve_completion(
                 .as_ref()
                 .and_then(|h| serde_json::to_value(h).ok()),
         };
-        return answer.stream(config.inter_token_delay, faults, guard);
+        // Echoing the `X-Request-Id`, as vLLM's middleware does on every answer (and as
+        // the head a streamed decode sent first did: `serve_or_defer`).
+        return answer
+            .stream(config.inter_token_delay, faults, guard)
+            .map(|mut response| {
+                if let Some(value) = header_id.and_then(|r| HeaderValue::from_str(r).ok()) {
+                    response.headers_mut().insert(X_REQUEST_ID, value);
+                }
+                response
+            });
     }
     let id = answer_id(request.endpoint, request_id);
     let created = unix_now();

@@ -196,6 +196,54 @@ async fn a_pull_that_fails_after_the_head_ends_the_stream_with_the_error_event()
     assert_eq!(counted_out(&d).await, [0, 0, 1, 0, 0]);
 }
 
+/// A streamed `/v1/messages` decode gets its head while its pull waits, as chat's does
+/// (vLLM's Anthropic route returns the chat stream generator under its converter);
+/// the pull failing after it ends the stream as vLLM's converter ends it:
+/// `message_start`, then the `error` event (500: `api_error`), nothing after.
+#[tokio::test]
+async fn a_messages_decode_whose_pull_fails_after_the_head_ends_with_the_error_event() {
+    let (p, d) = pair().await;
+    let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
+                     "kv_transfer_params": {"do_remote_decode": true}});
+    let mut params = prefill(&p, &[], COMPLETIONS, leg).await;
+    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    params["remote_port"] = json!(gate.local_addr().unwrap().port());
+    let body = json!({"model": "sim-model", "max_tokens": 5, "stream": true,
+                      "messages": [{"role": "user", "content": PROMPT}],
+                      "kv_transfer_params": params});
+    let headers = [("x-request-id", "msg-1")];
+    let mut conn = Conn::open(d.addr()).await;
+    let (accepted, head) = tokio::join!(
+        gate.accept(),
+        send_for_head(&mut conn, "/v1/messages", &headers, body)
+    );
+    let (pull, _) = accepted.unwrap();
+    assert_stream_head(&head);
+    assert_eq!(head.headers()["x-request-id"], "msg-1");
+    assert_eq!(
+        d.stats().kv_pull_failures,
+        0,
+        "the head came before the pull failed"
+    );
+    drop(pull);
+    let reply = read(head).await;
+    let text = reply.text();
+    let frames: Vec<&str> = text.split("\n\n").filter(|f| !f.is_empty()).collect();
+    assert_eq!(frames.len(), 2, "{text}");
+    assert!(
+        frames[0].starts_with("event: message_start\ndata: "),
+        "{text}"
+    );
+    let (name, data) = frames[1].split_once('\n').unwrap();
+    assert_eq!(name, "event: error", "{text}");
+    let error: Value = serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(error["type"], "error", "{error}");
+    assert_eq!(error["error"]["type"], "api_error", "{error}");
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(message.starts_with("KV transfer failed: "), "{message}");
+    assert_eq!(counted_out(&d).await, [0, 0, 1, 0, 0]);
+}
+
 /// A client that leaves after the head, while the pull waits: the pull is dropped (its
 /// connection closed), the prefill told to free the blocks, and the request counted
 /// out as cancelled.

@@ -295,3 +295,76 @@ async fn streamed_push_decode_whose_registration_fails_sends_the_error_event() {
     let s = wait_for(&d, |s| s.active_requests == 0).await;
     assert_eq!((s.kv_pull_failures, s.remote_decodes), (1, 0));
 }
+
+/// A stream's Anthropic events (`event:`/`data:` pairs): each one's name and data, the
+/// data's `type` checked to be the name.
+fn anthropic_events(reply: &Reply) -> Vec<(String, Value)> {
+    let text = reply.text();
+    assert!(text.ends_with("\n\n"), "{text:?}");
+    text.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let (name, data) = e.split_once('\n').unwrap_or_else(|| panic!("{e:?}"));
+            let name = name
+                .strip_prefix("event: ")
+                .unwrap_or_else(|| panic!("{e:?}"));
+            let data = data
+                .strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("{e:?}"));
+            let data: Value = serde_json::from_str(data).unwrap();
+            assert_eq!(data["type"], name, "{e:?}");
+            (name.to_owned(), data)
+        })
+        .collect()
+}
+
+/// vLLM's `/v1/messages` runs the chat stream generator under its Anthropic converter
+/// (`vllm/entrypoints/anthropic/serving.py` `message_stream_converter`): the role chunk
+/// of the failed load's first output becomes `message_start`, and the generator's
+/// error (the `ErrorResponse` of `chat_completion_stream_generator_raw`) ends the
+/// stream with an `error` event typed after its status (`translate_error_type`: 500 is
+/// `api_error`); no content block was open, and no `message_stop` or `[DONE]` follows.
+/// Not streamed, the same failure is the route's 500 in Anthropic's shape.
+#[tokio::test]
+async fn streamed_messages_decode_whose_pull_fails_sends_message_start_then_the_error_event() {
+    let (p, d) = pair().await;
+    let params = unpullable_params(&p).await;
+    let headers = [("x-request-id", "msg-1")];
+    let body = json!({"model": "sim-model", "max_tokens": 4, "stream": true,
+                      "messages": [{"role": "user", "content": PROMPT}],
+                      "kv_transfer_params": params});
+    let reply = post_with(d.addr(), "/v1/messages", &headers, &body).await;
+    assert_streamed(&reply);
+    assert_eq!(reply.headers["x-request-id"], "msg-1");
+    let events = anthropic_events(&reply);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["message_start", "error"], "{}", reply.text());
+    let message = &events[0].1["message"];
+    assert_eq!(message["role"], "assistant", "{message}");
+    assert_eq!(message["model"], "sim-model", "{message}");
+    assert_eq!(message["content"], json!([]), "{message}");
+    assert_eq!(message["stop_reason"], Value::Null, "{message}");
+    assert_eq!(
+        message["usage"],
+        json!({"input_tokens": PROMPT.split_whitespace().count(), "output_tokens": 0})
+    );
+    let error = &events[1].1["error"];
+    assert_eq!(error["type"], "api_error", "{error}");
+    let text = error["message"].as_str().unwrap();
+    assert!(text.starts_with("KV transfer failed: "), "{text}");
+    assert!(text.contains("someone-else"), "{text}");
+
+    let mut whole = body;
+    whole["stream"] = json!(false);
+    let reply = post(d.addr(), "/v1/messages", &whole).await;
+    assert_eq!(reply.status, 500, "{}", reply.text());
+    let answer = reply.json();
+    assert_eq!(answer["type"], "error", "{answer}");
+    assert_eq!(answer["error"]["type"], "api_error", "{answer}");
+
+    let s = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!(
+        (s.kv_pull_failures, s.remote_decodes, s.local_prefills),
+        (2, 0, 0)
+    );
+}
