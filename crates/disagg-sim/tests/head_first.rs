@@ -99,6 +99,17 @@ fn let_through(mut gated: TcpStream, to: std::net::SocketAddr) {
     });
 }
 
+/// The handoff of a NIXL pull prefill leg `p` answered, its side channel replaced by a
+/// gate the test holds (returned with it).
+async fn gated_handoff(p: &SimEngine) -> (Value, TcpListener) {
+    let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
+                     "kv_transfer_params": {"do_remote_decode": true}});
+    let mut params = prefill(p, &[], COMPLETIONS, leg).await;
+    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    params["remote_port"] = json!(gate.local_addr().unwrap().port());
+    (params, gate)
+}
+
 /// A streamed chat's decode whose pull is sent to a gate in place of `p`'s side
 /// channel: the gate (which later connections to the side channel reach too), the
 /// gated pull's connection, the head, and the client's connection (kept open).
@@ -111,11 +122,7 @@ async fn gated_pull(
     http::Response<hyper::body::Incoming>,
     Conn,
 ) {
-    let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
-                     "kv_transfer_params": {"do_remote_decode": true}});
-    let mut params = prefill(p, &[], COMPLETIONS, leg).await;
-    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    params["remote_port"] = json!(gate.local_addr().unwrap().port());
+    let (params, gate) = gated_handoff(p).await;
     let mut conn = Conn::open(d.addr()).await;
     let (accepted, head) = tokio::join!(
         gate.accept(),
@@ -203,11 +210,7 @@ async fn a_pull_that_fails_after_the_head_ends_the_stream_with_the_error_event()
 #[tokio::test]
 async fn a_messages_decode_whose_pull_fails_after_the_head_ends_with_the_error_event() {
     let (p, d) = pair().await;
-    let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
-                     "kv_transfer_params": {"do_remote_decode": true}});
-    let mut params = prefill(&p, &[], COMPLETIONS, leg).await;
-    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    params["remote_port"] = json!(gate.local_addr().unwrap().port());
+    let (params, gate) = gated_handoff(&p).await;
     let body = json!({"model": "sim-model", "max_tokens": 5, "stream": true,
                       "messages": [{"role": "user", "content": PROMPT}],
                       "kv_transfer_params": params});
@@ -363,11 +366,7 @@ async fn a_stuck_streamed_mooncake_decode_sends_its_head_and_waits_until_the_cli
 #[tokio::test]
 async fn a_pull_decode_not_streamed_answers_its_failure_in_the_head() {
     let (p, d) = pair().await;
-    let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
-                     "kv_transfer_params": {"do_remote_decode": true}});
-    let mut params = prefill(&p, &[], COMPLETIONS, leg).await;
-    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    params["remote_port"] = json!(gate.local_addr().unwrap().port());
+    let (params, gate) = gated_handoff(&p).await;
     let mut body = chat_body(params);
     body["stream"] = json!(false);
     body.as_object_mut().unwrap().remove("stream_options");
