@@ -285,9 +285,19 @@ async fn a_client_leaving_while_the_pull_waits_drops_the_pull_and_counts_out() {
     assert_eq!(ps.kv_released_on_abort, 1);
 }
 
-/// A NIXL push prefill and decode, and the handoff of a prefill leg (request id
-/// `req-1`) the prefill answered.
-async fn push_pair() -> (SimEngine, SimEngine, Value) {
+/// A NIXL push prefill and decode, and a streamed decode leg (request id `req-1`) sent
+/// with the prefill's handoff, its registration held at a gate in place of the
+/// prefill's side channel: the prefill, the decode, the gate (which later connections
+/// to the side channel reach too), the gated registration's connection, the decode's
+/// head and the client's connection (kept open).
+async fn gated_push() -> (
+    SimEngine,
+    SimEngine,
+    TcpListener,
+    TcpStream,
+    http::Response<hyper::body::Incoming>,
+    Conn,
+) {
     let engine = |id: &str| SimConfig {
         kv_mode: KvMode::NixlPush,
         engine_id: Some(id.into()),
@@ -295,10 +305,20 @@ async fn push_pair() -> (SimEngine, SimEngine, Value) {
     };
     let p = SimEngine::start(engine("prefill-0")).await.unwrap();
     let d = SimEngine::start(engine("decode-0")).await.unwrap();
+    let headers = [("x-request-id", "req-1")];
     let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
                      "kv_transfer_params": {"do_remote_decode": true}});
-    let params = prefill(&p, &[("x-request-id", "req-1")], COMPLETIONS, leg).await;
-    (p, d, params)
+    let mut params = prefill(&p, &headers, COMPLETIONS, leg).await;
+    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    params["remote_port"] = json!(gate.local_addr().unwrap().port());
+    let body = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 5,
+                      "stream": true, "kv_transfer_params": params});
+    let mut conn = Conn::open(d.addr()).await;
+    let (accepted, head) = tokio::join!(
+        gate.accept(),
+        send_for_head(&mut conn, COMPLETIONS, &headers, body)
+    );
+    (p, d, gate, accepted.unwrap().0, head, conn)
 }
 
 fn notice_line(notice: &SideChannelRelease) -> String {
@@ -311,21 +331,10 @@ fn notice_line(notice: &SideChannelRelease) -> String {
 /// through, the prefill pairs it and the stream is the answer.
 #[tokio::test]
 async fn a_streamed_push_decode_gets_its_head_while_its_registration_waits() {
-    let (p, d, mut params) = push_pair().await;
-    let headers = [("x-request-id", "req-1")];
-    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    params["remote_port"] = json!(gate.local_addr().unwrap().port());
-    let body = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 5,
-                      "stream": true, "kv_transfer_params": params});
-
-    let mut conn = Conn::open(d.addr()).await;
-    let (accepted, head) = tokio::join!(
-        gate.accept(),
-        send_for_head(&mut conn, COMPLETIONS, &headers, body)
-    );
+    let (p, d, _gate, registration, head, _conn) = gated_push().await;
     assert_stream_head(&head);
     assert_eq!((d.stats().remote_decodes, p.stats().blocks_held), (0, 3));
-    let_through(accepted.unwrap().0, p.side_channel_addr());
+    let_through(registration, p.side_channel_addr());
     let reply = read(head).await;
     let events = reply.events();
     let text: String = events
@@ -503,21 +512,9 @@ async fn a_streamed_mooncake_decode_gets_its_head_while_its_fetch_waits() {
 /// to free the blocks its answer named, and the request counted out as cancelled.
 #[tokio::test]
 async fn a_client_leaving_while_a_push_decode_waits_drops_the_registration_and_counts_out() {
-    let (p, d, mut params) = push_pair().await;
-    let headers = [("x-request-id", "req-1")];
+    let (p, d, gate, mut registration, head, conn) = gated_push().await;
     assert_eq!(p.stats().blocks_held, 3);
-    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    params["remote_port"] = json!(gate.local_addr().unwrap().port());
-    let body = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 5,
-                      "stream": true, "kv_transfer_params": params});
-
-    let mut conn = Conn::open(d.addr()).await;
-    let (accepted, head) = tokio::join!(
-        gate.accept(),
-        send_for_head(&mut conn, COMPLETIONS, &headers, body)
-    );
     assert_stream_head(&head);
-    let (mut registration, _) = accepted.unwrap();
     assert_eq!(d.stats().active_requests, 1);
     drop(head);
     drop(conn);
