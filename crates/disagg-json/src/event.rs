@@ -104,7 +104,8 @@ fn type_status(kind: &str) -> Option<u16> {
         "not_found_error" | "NotFoundError" => 404,
         "request_too_large" => 413,
         "rate_limit_error" => 429,
-        "api_error" | "InternalServerError" => 500,
+        // `internal_error`: older vLLM's `/v1/messages` stream, for any error.
+        "api_error" | "internal_error" | "InternalServerError" => 500,
         "NotImplementedError" => 501,
         "overloaded_error" => 503,
         _ => return None,
@@ -438,6 +439,7 @@ event: error\ndata: {{\"type\":\"error\",\"error\":{{\"type\":\"{kind}\",\"messa
         };
         for (kind, status) in [
             ("api_error", Some(500)),
+            ("internal_error", Some(500)),
             ("overloaded_error", Some(503)),
             ("invalid_request_error", Some(400)),
             ("rate_limit_error", Some(429)),

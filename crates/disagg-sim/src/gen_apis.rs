@@ -597,11 +597,16 @@ pub(crate) fn failed_messages_events(
     error: &ApiError,
 ) -> VecDeque<Bytes> {
     let id = messages_id(request_id);
-    let failure = json!({"type": "error",
-                         "error": {"type": anthropic_type(error.status), "message": error.message}});
+    // Written member by member: vLLM's pydantic model puts `type` first, which a
+    // `serde_json::Value` (its keys sorted) would not.
+    let failure = format!(
+        "{{\"type\":\"error\",\"error\":{{\"type\":{},\"message\":{}}}}}",
+        Value::from(anthropic_type(error.status)),
+        Value::from(error.message.as_str()),
+    );
     VecDeque::from([
         message_start(&id, model, prompt_tokens),
-        value_event("error", &failure),
+        Bytes::from(format!("event: error\ndata: {failure}\n\n")),
     ])
 }
 

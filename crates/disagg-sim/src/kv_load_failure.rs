@@ -76,8 +76,11 @@
 //!   (vLLM 0.33's Cohere route streams `message-start`, then `message-end` with
 //!   `delta.error` and `finish_reason` `ERROR`, then `data: [DONE]`:
 //!   `vllm/entrypoints/cohere/serving.py` `_chat_completion_stream_to_v2`);
-//! * the id of a Messages stream's `message_start`: vLLM's is the chat chunk's
-//!   (`chatcmpl-…`), the simulator's `msg_…`, as on a served stream;
+//! * a Messages stream's `message_start`: vLLM's id is the chat chunk's
+//!   (`chatcmpl-…`), the simulator's `msg_…`; vLLM writes it without the defaults
+//!   `"type": "message"` and `"role": "assistant"` (`exclude_unset`) and with `type`
+//!   first, the simulator with both and its keys sorted, as on a served stream (the
+//!   error event that follows is written in vLLM's order, `type` first);
 //! * chat's `echo`: vLLM writes, after the role chunks, one chunk per choice echoing
 //!   the last message's content when that message's role is the answer's (an
 //!   assistant prefix); the simulator writes none, here as on a served stream;
