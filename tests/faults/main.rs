@@ -284,13 +284,9 @@ async fn wrong_side_channel_host_really_fails_the_decode() {
     assert_eq!(stack.d().stats().remote_decodes, 0);
 }
 
-/// The same wrong host under a streamed chat: the decode has sent its 200 head, so it
-/// tells the failed KV load in its stream (vLLM 0.33: role chunk, error event, `[DONE]`).
-/// The client gets the engine's stream as it was written, and the request is told as
-/// what it was, not as a served answer: its attempt the decode's failure (passive health
-/// and the request metrics hear it), its delivery broken, error `decode_error_event`.
-#[tokio::test]
-async fn a_kv_load_failure_streamed_by_the_decode_is_told_as_its_failure() {
+/// A stack whose prefill advertises a host where its side channel does not listen (every
+/// decode's KV load fails), its listeners' reports and summaries kept.
+async fn unloadable_kv() -> (Stack, Heard) {
     let wrong = SimConfig {
         advertised_host: "127.0.0.2".into(),
         ..Default::default()
@@ -301,6 +297,42 @@ async fn a_kv_load_failure_streamed_by_the_decode_is_told_as_its_failure() {
         .listener(heard.clone())
         .build()
         .await;
+    (stack, heard)
+}
+
+/// The one request on [`unloadable_kv`]'s stack failed its KV load once and was told
+/// as the decode's failure: delivery broken with `decode_error_event`, its one attempt
+/// `DecodeFailed`, the prefill answered, the decode leg failed.
+async fn told_as_the_decodes_failure(stack: &Stack, heard: &Heard) {
+    use disagg_core::outcome::{Delivery, LegOutcome, Outcome};
+    assert_eq!(stack.d().stats().kv_pull_failures, 1);
+    let summary = heard.first(1).await.remove(0);
+    assert_eq!(
+        (summary.delivery, summary.error),
+        (Delivery::Broken, Some("decode_error_event"))
+    );
+    let reports = heard.reports();
+    let [report] = &reports[..] else {
+        panic!("one attempt: {reports:?}")
+    };
+    assert_eq!(
+        (report.outcome, report.prefill, report.decode),
+        (
+            Outcome::DecodeFailed,
+            LegOutcome::Answered,
+            LegOutcome::Failed
+        )
+    );
+}
+
+/// The same wrong host under a streamed chat: the decode has sent its 200 head, so it
+/// tells the failed KV load in its stream (vLLM 0.33: role chunk, error event, `[DONE]`).
+/// The client gets the engine's stream as it was written, and the request is told as
+/// what it was, not as a served answer: its attempt the decode's failure (passive health
+/// and the request metrics hear it), its delivery broken, error `decode_error_event`.
+#[tokio::test]
+async fn a_kv_load_failure_streamed_by_the_decode_is_told_as_its_failure() {
+    let (stack, heard) = unloadable_kv().await;
     let a = post(&stack.url, "/v1/chat/completions", chat("x", 4, true), &[]).await;
     assert_eq!(a.status, 200, "{}", a.text());
     let events = a.events();
@@ -316,28 +348,7 @@ async fn a_kv_load_failure_streamed_by_the_decode_is_told_as_its_failure() {
             .is_some_and(|m| m.contains("KV transfer failed")),
         "{events:?}"
     );
-    assert_eq!(stack.d().stats().kv_pull_failures, 1);
-    let summary = heard.first(1).await.remove(0);
-    assert_eq!(
-        (summary.delivery, summary.error),
-        (
-            disagg_core::outcome::Delivery::Broken,
-            Some("decode_error_event")
-        )
-    );
-    let reports = heard.reports();
-    let [report] = &reports[..] else {
-        panic!("one attempt: {reports:?}")
-    };
-    use disagg_core::outcome::{LegOutcome, Outcome};
-    assert_eq!(
-        (report.outcome, report.prefill, report.decode),
-        (
-            Outcome::DecodeFailed,
-            LegOutcome::Answered,
-            LegOutcome::Failed
-        )
-    );
+    told_as_the_decodes_failure(&stack, &heard).await;
 }
 
 #[tokio::test]
@@ -649,16 +660,7 @@ async fn a_prefill_without_handoff_is_502_under_missing_kv_fail() {
 /// request is told as the decode's failure, as on chat.
 #[tokio::test]
 async fn a_kv_load_failure_streamed_by_the_decode_on_messages_is_told_as_its_failure() {
-    let wrong = SimConfig {
-        advertised_host: "127.0.0.2".into(),
-        ..Default::default()
-    };
-    let heard = Heard::default();
-    let stack = Stack::builder()
-        .prefill(vec![wrong])
-        .listener(heard.clone())
-        .build()
-        .await;
+    let (stack, heard) = unloadable_kv().await;
     let body = serde_json::json!({"model": "sim-model", "max_tokens": 4, "stream": true,
                                   "messages": [{"role": "user", "content": "x"}]});
     let a = post(&stack.url, "/v1/messages", body.to_string(), &[]).await;
@@ -693,26 +695,5 @@ async fn a_kv_load_failure_streamed_by_the_decode_on_messages_is_told_as_its_fai
             .is_some_and(|m| m.contains("KV transfer failed")),
         "{text}"
     );
-    assert_eq!(stack.d().stats().kv_pull_failures, 1);
-    let summary = heard.first(1).await.remove(0);
-    assert_eq!(
-        (summary.delivery, summary.error),
-        (
-            disagg_core::outcome::Delivery::Broken,
-            Some("decode_error_event")
-        )
-    );
-    let reports = heard.reports();
-    let [report] = &reports[..] else {
-        panic!("one attempt: {reports:?}")
-    };
-    use disagg_core::outcome::{LegOutcome, Outcome};
-    assert_eq!(
-        (report.outcome, report.prefill, report.decode),
-        (
-            Outcome::DecodeFailed,
-            LegOutcome::Answered,
-            LegOutcome::Failed
-        )
-    );
+    told_as_the_decodes_failure(&stack, &heard).await;
 }
