@@ -246,13 +246,7 @@ impl ErrorEvents {
     /// spaces allowed after the colon, following `data:` at a line's start; `None` when
     /// the key is anything else.
     fn payload_start(&self, e: usize, data: &[u8]) -> Option<usize> {
-        let byte = |i: usize| {
-            if i < self.tail_len {
-                self.tail[i]
-            } else {
-                data[i - self.tail_len]
-            }
-        };
+        let byte = |i: usize| self.byte(i, data);
         let low = e.saturating_sub(TAIL);
         let brace = if e > low && byte(e - 1) == b'{' {
             e - 1
@@ -275,13 +269,7 @@ impl ErrorEvents {
     /// Whether the payload found at `v` (an index into the tail followed by `data`)
     /// follows `data:` and spaces at a line's start.
     fn starts_event(&self, v: usize, data: &[u8]) -> bool {
-        let byte = |i: usize| {
-            if i < self.tail_len {
-                self.tail[i]
-            } else {
-                data[i - self.tail_len]
-            }
-        };
+        let byte = |i: usize| self.byte(i, data);
         let low = v.saturating_sub(TAIL);
         let mut i = v;
         while i > low && matches!(byte(i - 1), b' ' | b'\t') {
@@ -301,6 +289,15 @@ impl ErrorEvents {
         // Nothing kept before the field name: it starts a line only at the stream's
         // start (the tail then holds every byte seen).
         name == 0 && self.seen == self.tail_len as u64
+    }
+
+    /// The byte at `i`, an index into the tail followed by `data`.
+    fn byte(&self, i: usize, data: &[u8]) -> u8 {
+        if i < self.tail_len {
+            self.tail[i]
+        } else {
+            data[i - self.tail_len]
+        }
     }
 
     /// Keep the last bytes of the tail followed by `data`.
