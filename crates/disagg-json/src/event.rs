@@ -16,11 +16,16 @@
 //!   401, `permission_error` 403, `not_found_error` 404, `request_too_large` 413,
 //!   `rate_limit_error` 429, `overloaded_error` 503, `api_error` for another 5xx).
 //! * OpenAI's Responses stream: `data: {"type":"error","code": ..., "message": ...}`.
+//! * An error response written as an event, `data: {"object": "error", ...}` (OpenAI-style
+//!   servers' error body, its `code` the status).
+//! * Cohere's (vLLM's `/cohere/v2/chat`, `vllm/entrypoints/cohere/serving.py`): a
+//!   `message-end` event whose `delta` holds the error, `data: {"type": "message-end",
+//!   "delta": {"error": "...", "finish_reason": "ERROR"}}` (`json.dumps`), written when
+//!   the chat stream it converts fails; it names no status.
 //!
 //! The bytes pass through untouched; the watch only tells the relay's caller that the
 //! answer carried an error, and the status it names, so that a stream ending in one is
-//! not counted as served. (Cohere's `/cohere/v2/chat` tells a failure inside its
-//! `message-end` event, which is not looked for.)
+//! not counted as served.
 
 use std::sync::LazyLock;
 
@@ -34,13 +39,38 @@ use memchr::memmem::Finder;
 /// looked at only when it is found.
 const KEY: &[u8] = b"\"error\"";
 
+/// What comes before [`KEY`] in each error payload's shape, from the payload's start,
+/// token by token (blanks allowed before each token and before the key): OpenAI's
+/// `{"error"`; Anthropic's and the Responses API's `{"type":"error"`; the
+/// `{"object":"error"` of an error response OpenAI-style servers write (an engine that
+/// wrote its error body as an event); Cohere's `message-end` whose `delta` holds the
+/// error (`{"type": "message-end", "delta": {"error": ...`, vLLM's `/cohere/v2/chat`).
+const SHAPES: [&[&[u8]]; 4] = [
+    &[b"{"],
+    &[b"{\"type\":"],
+    &[b"{\"object\":"],
+    &[b"{\"type\":", b"\"message-end\",", b"\"delta\":", b"{"],
+];
+
+/// Whether `b` is a blank JSON allows between tokens on one line.
+fn blank(b: u8) -> bool {
+    matches!(b, b' ' | b'\t')
+}
+
+/// `bytes` from its first byte that is neither a space nor a tab.
+fn skip_blanks(bytes: &[u8]) -> &[u8] {
+    let blanks = bytes.iter().take_while(|&&b| blank(b)).count();
+    &bytes[blanks..]
+}
+
 /// The searcher for [`KEY`], built once: an immutable table, as a compiled regex in a
 /// static is (building it for each stream cost more than searching the stream).
 static FINDER: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(KEY));
 
-/// Bytes of the stream kept from one frame to the next: enough to see a needle cut
-/// between two frames and the `data:` field name before it.
-const TAIL: usize = 32;
+/// Bytes of the stream kept from one frame to the next, and looked back over from a
+/// needle: enough to see a needle cut between two frames, and the longest of the
+/// [`SHAPES`] and the `data:` field name before it.
+const TAIL: usize = 64;
 
 /// Most bytes of an error event's line read to learn its code; an event longer than
 /// that is an error of unknown code.
@@ -67,6 +97,36 @@ impl ErrorEvent {
     /// written after it), is not blamed on the engine.
     pub fn is_server_error(&self) -> bool {
         self.status.is_some_and(|s| s >= 500)
+    }
+
+    /// The error event whose `data:` payload is `payload` (one event's, from its first
+    /// byte: spaces before it are skipped), read as [`ErrorEvents`] reads the one it
+    /// finds in a stream (its first [`MAX_ERROR_EVENT`] bytes); `None` when the payload
+    /// is not an error event's. For a reader that frames the events itself.
+    ///
+    /// ```
+    /// use disagg_json::ErrorEvent;
+    ///
+    /// let event = ErrorEvent::of_payload(br#"{"error": {"message": "m", "code": 400}}"#);
+    /// assert_eq!(event.map(|e| e.is_server_error()), Some(false));
+    /// assert_eq!(ErrorEvent::of_payload(br#"{"choices": []}"#), None);
+    /// ```
+    pub fn of_payload(payload: &[u8]) -> Option<ErrorEvent> {
+        let payload = skip_blanks(payload);
+        let shaped = |shape: &&[&[u8]]| {
+            let mut rest = payload;
+            for token in *shape {
+                match skip_blanks(rest).strip_prefix(*token) {
+                    Some(after) => rest = after,
+                    None => return false,
+                }
+            }
+            skip_blanks(rest).starts_with(KEY)
+        };
+        SHAPES
+            .iter()
+            .any(shaped)
+            .then(|| ErrorEvent::read(&payload[..payload.len().min(MAX_ERROR_EVENT)]))
     }
 
     /// The event whose data line is `line` (from its payload's `{` on, at most
@@ -117,11 +177,11 @@ fn type_status(kind: &str) -> Option<u16> {
 ///
 /// Each byte is looked at once: one `memchr` search per frame for `"error"` (a key cut
 /// between two frames is found by comparing the frame's first bytes with the last
-/// one's), and only where it is found, the bytes before it: the payload's start
-/// (`{"error"` or `{"type":"error"`) after a `data:` field name (spaces between) at a
+/// one's), and only where it is found, the bytes before it: the payload's start (one
+/// of the shapes above, such as `{"error"` or `{"type":"error"`) after a `data:` field name (spaces between) at a
 /// line's start. Only an event found is copied, up to its line's end or
 /// [`MAX_ERROR_EVENT`] bytes, and read as JSON for the status it names. The watch is a
-/// 32-byte tail and a counter: nothing is allocated for a stream without an error.
+/// 64-byte tail and a counter: nothing is allocated for a stream without an error.
 ///
 /// ```
 /// use disagg_json::ErrorEvents;
@@ -242,28 +302,34 @@ impl ErrorEvents {
     }
 
     /// The start (its `{`) of the error event's payload whose [`KEY`] is at `e` (an
-    /// index into the tail followed by `data`): `{"error"`, or `{"type":"error"` with
-    /// spaces allowed after the colon, following `data:` at a line's start; `None` when
-    /// the key is anything else.
+    /// index into the tail followed by `data`): the key after one of the [`SHAPES`],
+    /// following `data:` at a line's start; `None` when the key is anything else.
     fn payload_start(&self, e: usize, data: &[u8]) -> Option<usize> {
+        SHAPES.iter().find_map(|shape| {
+            self.shape_start(shape, e, data)
+                .filter(|&brace| self.starts_event(brace, data))
+        })
+    }
+
+    /// Where `shape` starts when its tokens end at `e` (an index into the tail followed
+    /// by `data`), blanks allowed before each of them; `None` when they do not, or not
+    /// within [`TAIL`] bytes.
+    fn shape_start(&self, shape: &[&[u8]], e: usize, data: &[u8]) -> Option<usize> {
         let byte = |i: usize| self.byte(i, data);
         let low = e.saturating_sub(TAIL);
-        let brace = if e > low && byte(e - 1) == b'{' {
-            e - 1
-        } else {
-            let mut i = e;
-            while i > low && matches!(byte(i - 1), b' ' | b'\t') {
+        let mut i = e;
+        for token in shape.iter().rev() {
+            while i > low && blank(byte(i - 1)) {
                 i -= 1;
             }
-            let member = b"{\"type\":";
-            if i < low + member.len()
-                || (0..member.len()).any(|k| byte(i - member.len() + k) != member[k])
+            if i < low + token.len()
+                || (0..token.len()).any(|k| byte(i - token.len() + k) != token[k])
             {
                 return None;
             }
-            i - member.len()
-        };
-        self.starts_event(brace, data).then_some(brace)
+            i -= token.len();
+        }
+        Some(i)
     }
 
     /// Whether the payload found at `v` (an index into the tail followed by `data`)
@@ -272,7 +338,7 @@ impl ErrorEvents {
         let byte = |i: usize| self.byte(i, data);
         let low = v.saturating_sub(TAIL);
         let mut i = v;
-        while i > low && matches!(byte(i - 1), b' ' | b'\t') {
+        while i > low && blank(byte(i - 1)) {
             i -= 1;
         }
         let field = b"data:";
@@ -465,6 +531,104 @@ data: {\"type\":\"errors\"}\n\n";
         for cut in 0..=other.len() {
             assert_eq!(watched(other, &[cut]), None, "cut at {cut}");
         }
+    }
+
+    #[test]
+    fn an_error_body_written_as_an_event_is_one() {
+        let stream = b"data: {\"object\": \"error\", \"message\": \"m\", \"code\": 503}\n\n";
+        for cut in 0..=stream.len() {
+            let e = watched(stream, &[cut]);
+            assert_eq!(e.and_then(|e| e.status()), Some(503), "cut at {cut}");
+        }
+        let other = b"data: {\"object\":\"chat.completion.chunk\",\"x\":\"error\"}\n\n";
+        assert_eq!(watched(other, &[]), None);
+    }
+
+    #[test]
+    fn coheres_message_end_with_an_error_is_one() {
+        // vLLM's `/cohere/v2/chat` when the chat stream it converts fails: no status.
+        let stream = b"data: {\"type\":\"message-start\",\"id\":\"chatcmpl-1\",\"delta\":{\"message\":{\"role\":\"assistant\"}}}\n\n\
+data: {\"type\": \"message-end\", \"delta\": {\"error\": \"1 validation error\", \"finish_reason\": \"ERROR\"}}\n\n\
+data: [DONE]\n\n";
+        for cut in 0..=stream.len() {
+            let e = watched(stream, &[cut]);
+            assert_eq!(e.map(|e| e.status()), Some(None), "cut at {cut}");
+        }
+        let cuts: Vec<usize> = (1..stream.len()).collect();
+        assert!(watched(stream, &cuts).is_some(), "a byte per frame");
+        // A served stream's `message-end`, and other events naming an error in a delta.
+        let served = b"data: {\"type\":\"message-end\",\"id\":\"c\",\"delta\":{\"finish_reason\":\"COMPLETE\",\"usage\":{}}}\n\n\
+data: {\"type\":\"content-delta\",\"delta\":{\"error\":\"x\"}}\n\n";
+        for cut in 0..=served.len() {
+            assert_eq!(watched(served, &[cut]), None, "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn a_payload_is_read_as_the_watch_reads_its_event() {
+        // Every shape the watch finds, and what it reads of each, the same from a
+        // payload framed by its reader.
+        let payloads: [&[u8]; 8] = [
+            b"{\"error\": {\"message\": \"m\", \"code\": 500}}",
+            b"{\"error\":{\"message\":\"too long\"}}",
+            b"{\"error\": {\"type\": \"BadRequestError\"}}",
+            b"{\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\"}}",
+            b"{\"type\": \"error\", \"code\": \"429\"}",
+            b"{\"object\":\"error\",\"message\":\"m\",\"code\":404}",
+            b"{\"error\": {\"code\": 5",
+            b"{\"type\": \"message-end\", \"delta\": {\"error\": \"m\"}}",
+        ];
+        for payload in payloads {
+            let stream = [b"data: ".as_slice(), payload, b"\n\n"].concat();
+            let read = ErrorEvent::of_payload(payload);
+            assert!(read.is_some(), "{}", String::from_utf8_lossy(payload));
+            assert_eq!(read, watched(&stream, &[]));
+            // Blanks before the payload are the field's.
+            let spaced = [b" \t".as_slice(), payload].concat();
+            assert_eq!(ErrorEvent::of_payload(&spaced), read);
+        }
+        let statuses: Vec<_> = payloads
+            .iter()
+            .map(|p| ErrorEvent::of_payload(p).and_then(|e| e.status()))
+            .collect();
+        assert_eq!(
+            statuses,
+            [
+                Some(500),
+                None,
+                Some(400),
+                Some(503),
+                Some(429),
+                Some(404),
+                None,
+                None
+            ]
+        );
+        // What is no error event's payload.
+        for payload in [
+            b"{\"choices\":[{\"delta\":{\"content\":\"{\\\"error\\\"\"}}]}".as_slice(),
+            b"{\"x\": {\"error\": {\"code\": 500}}}",
+            b"{\"type\":\"errors\"}",
+            b"{\"type\":\"content_block_delta\"}",
+            b"[DONE]",
+            b"",
+        ] {
+            assert_eq!(
+                ErrorEvent::of_payload(payload),
+                None,
+                "{}",
+                String::from_utf8_lossy(payload)
+            );
+        }
+        // The ceiling: a code past it is not read.
+        let long = format!(
+            "{{\"error\": {{\"message\": \"{}\", \"code\": 500}}}}",
+            "x".repeat(MAX_ERROR_EVENT)
+        );
+        assert_eq!(
+            ErrorEvent::of_payload(long.as_bytes()).map(|e| e.status()),
+            Some(None)
+        );
     }
 
     #[test]

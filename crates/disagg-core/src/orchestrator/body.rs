@@ -184,11 +184,14 @@ impl Finish {
             report.prefill = LegOutcome::Answered;
         }
         // The error event the decode wrote in a stream that ended as its engine ended it
-        // (a success as far as the relay goes).
+        // (a success as far as the relay goes): the watch's, or the migrating body's
+        // (which reads its own events), whose refusal it relayed and did not continue.
         let in_band = match (outcome, report.outcome, report.decode) {
-            (Outcome::Success, Outcome::Success, LegOutcome::Answered) => {
-                self.errors.as_mut().and_then(ErrorEvents::finish)
-            }
+            (Outcome::Success, Outcome::Success, LegOutcome::Answered) => self
+                .errors
+                .as_mut()
+                .and_then(ErrorEvents::finish)
+                .or(applied.refused),
             _ => None,
         };
         match outcome {

@@ -18,7 +18,9 @@
 //!   event's bytes are held. Past [`MigrationConfig::max_seq_len`] tokens the ids are
 //!   dropped and the request is no longer migratable.
 //! * **Detect.** The decode's body breaks, ends before `data: [DONE]`, or sends an
-//!   error event; a vLLM stream also when it reaches `[DONE]` before its choice's
+//!   error event naming a 5xx (`events.rs`: one naming a 4xx or no status is the
+//!   decode's refusal, relayed as it came with the rest of its stream, not continued,
+//!   no engine blamed, as a stream relayed without migration tells it); a vLLM stream also when it reaches `[DONE]` before its choice's
 //!   finish reason (`unfinished.rs`: a completions decode whose KV load failed says
 //!   nothing else; a usage chunk before the finish is not relayed, and a completions
 //!   leg none of whose answer came is continued from the client's own prompt); when
@@ -100,6 +102,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use disagg_json::ErrorEvent;
 use http::header::{HeaderName, HeaderValue};
 use http_body::{Body, Frame};
 use sync_wrapper::SyncWrapper;
@@ -113,6 +116,7 @@ use crate::source::EndpointSource;
 use crate::transport::{BoxBody, Transport};
 
 mod entry;
+mod events;
 mod fresh;
 mod generate;
 mod head;
@@ -141,7 +145,7 @@ pub(crate) use plan::{Plan, ask_ids, plan};
 use scan::parse_ids;
 use scan::{
     FINISH_KEY, Held, IDS_KEY, IdsKey, USAGE_KEY, event_end, has_finish, has_usage, is_done,
-    is_error, next_ids, parse_ids_into, payload, trailing,
+    next_ids, parse_ids_into, trailing,
 };
 use seen::Seen;
 use unfinished::Unfinished;
@@ -189,7 +193,7 @@ pub(crate) enum Reason {
     Reset,
     /// The decode's body ended before `data: [DONE]`.
     Eof,
-    /// The decode sent an error event.
+    /// The decode sent an error event naming a 5xx (its engine's failure).
     ErrorFrame,
 }
 
@@ -306,6 +310,8 @@ pub(crate) struct Migrating {
     stalled: Option<Instant>,
     /// The searches of each event, built once.
     scan: Scan,
+    /// The error event that broke the current leg, as read ([`ErrorEvent::of_payload`]).
+    error_event: Option<ErrorEvent>,
 }
 
 /// The needles a tracked event is searched for, each `memmem` finder built once per
@@ -382,6 +388,7 @@ impl Migrating {
             broke: None,
             stalled: None,
             scan: Scan::new(),
+            error_event: None,
         }
     }
 
@@ -508,58 +515,6 @@ impl Migrating {
             self.held.hold(&src);
         }
         Ok(())
-    }
-
-    /// A first leg's event, before its chunk is read: one that is not a chunk is relayed
-    /// as it came (`[DONE]` also ends the stream), an error frame breaks the stream.
-    /// The chunk's data otherwise.
-    pub(super) fn relayed<'a>(
-        &mut self,
-        event: &'a Bytes,
-        out: &mut BytesMut,
-    ) -> Result<Option<&'a [u8]>, Reason> {
-        let Some(data) = payload(event) else {
-            out.extend_from_slice(event);
-            return Ok(None);
-        };
-        if data == b"[DONE]" {
-            if self.answer_missing() {
-                // The answer never finished: a broken stream, its `[DONE]` not relayed.
-                return Err(Reason::Eof);
-            }
-            self.done = true;
-            out.extend_from_slice(event);
-            return Ok(None);
-        }
-        if is_error(data) {
-            return Err(Reason::ErrorFrame);
-        }
-        Ok(Some(data))
-    }
-
-    /// A continuation's event, before its chunk is read: a line that is not a chunk is
-    /// dropped, `[DONE]` ends the client's stream, an error frame breaks it. The chunk's
-    /// data otherwise.
-    pub(super) fn continued<'a>(
-        &mut self,
-        event: &'a Bytes,
-        out: &mut BytesMut,
-    ) -> Result<Option<&'a [u8]>, Reason> {
-        let Some(data) = payload(event) else {
-            return Ok(None);
-        };
-        if data == b"[DONE]" {
-            if self.answer_missing() {
-                return Err(Reason::Eof);
-            }
-            self.done = true;
-            out.extend_from_slice(b"data: [DONE]\n\n");
-            return Ok(None);
-        }
-        if is_error(data) {
-            return Err(Reason::ErrorFrame);
-        }
-        Ok(Some(data))
     }
 
     /// An event of the first leg: tracked, its ids blanked unless the client asked.
@@ -913,6 +868,18 @@ impl Migrating {
                             // for the report of its break).
                             if !out.is_empty() {
                                 this.resumed();
+                            }
+                            if let Some(refusal) = this.refusal() {
+                                // The decode refused the request in its stream: another
+                                // decode would refuse it too. Not continued, no engine
+                                // blamed; the event goes out as the engine wrote it, and
+                                // the rest of its stream after it.
+                                this.ctx.moved.refused(refusal);
+                                this.untrack();
+                                this.raw = true;
+                                out.extend_from_slice(&event);
+                                out.extend_from_slice(&this.held.take());
+                                return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
                             }
                             let dead = this.leg.take_blame();
                             if this.migrate(reason, dead, false) {

@@ -19,6 +19,7 @@ use super::*;
 mod continuation;
 mod counted;
 mod lead;
+mod refused;
 mod traced;
 mod unfinished;
 mod window;

@@ -3,6 +3,8 @@
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
+use disagg_json::ErrorEvent;
+
 use crate::endpoint::Endpoint;
 use crate::outcome::{LegOutcome, Migration, Outcome, Report, Timeline};
 
@@ -52,6 +54,9 @@ struct MovedState {
     /// That stream, ended for its riding prefill, was not continued: the request's
     /// stream broke, though no engine the attempt's report names is to blame.
     prefill_broke: bool,
+    /// The stream ended in the decode's error event naming a 4xx or no status: its
+    /// refusal, relayed as it came and not continued.
+    refused: Option<ErrorEvent>,
 }
 
 /// A decode leg that failed: its decode, what is known of its time, and when it ended
@@ -91,6 +96,10 @@ pub(crate) struct Applied {
     /// That leg, ended for its riding prefill, was not continued: the request's stream
     /// broke (the attempt failed), its decode not to blame.
     pub(crate) prefill_broke: bool,
+    /// The stream ended in the error event of the decode the report names, naming a
+    /// 4xx or no status ([`ErrorEvent::is_server_error`]): its refusal, relayed, not
+    /// continued.
+    pub(crate) refused: Option<ErrorEvent>,
 }
 
 impl Moved {
@@ -120,6 +129,7 @@ impl Moved {
                 broke,
                 exempt: false,
                 prefill_broke: false,
+                refused: s.refused,
             };
         };
         report.route.decode = Arc::clone(to);
@@ -136,6 +146,7 @@ impl Moved {
             broke,
             exempt: s.exempt,
             prefill_broke: s.prefill_broke,
+            refused: s.refused,
         }
     }
 
@@ -184,6 +195,13 @@ impl Moved {
             Some(dead) => s.broken = Some(dead),
             None => s.prefill_broke |= riding_failed,
         }
+    }
+
+    /// The leg the attempt's report names ended in its decode's refusal, `event` (an
+    /// error event naming a 4xx or no status), relayed and not continued: the report
+    /// tells the decode's refusal, no engine blamed.
+    pub(super) fn refused(&self, event: ErrorEvent) {
+        self.lock().refused = Some(event);
     }
 
     /// The leg the attempt's report names, relayed raw (untracked: an event too long to

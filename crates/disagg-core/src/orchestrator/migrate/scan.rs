@@ -16,12 +16,6 @@ pub(super) fn trailing(event: &[u8]) -> usize {
     event.len() - event.trim_ascii_end().len()
 }
 
-/// Whether a chunk is an error: vLLM's in-stream error is `{"error": {...}}`, its error
-/// response `{"object": "error", ...}`.
-pub(super) fn is_error(data: &[u8]) -> bool {
-    data.starts_with(b"{\"error\"") || data.starts_with(b"{\"object\":\"error\"")
-}
-
 /// The end of the first whole event in `buf` (past its `\n\n`), found by a `memchr`
 /// scan for the line ends.
 pub(super) fn event_end(buf: &[u8]) -> Option<usize> {

@@ -40,7 +40,7 @@ impl Told {
 
 /// NIXL over [`P1`] and [`D1`], [`D2`], every request traced, continuing once
 /// (decode-only when `decode_only`), what it tells kept.
-fn traced(fake: &Fake, decode_only: bool, told: &Told) -> Orchestrator {
+pub(super) fn traced(fake: &Fake, decode_only: bool, told: &Told) -> Orchestrator {
     let mut config = continuing(1, decode_only);
     config.trace_ratio = Some(1.0);
     listened(fake, config, told.clone())
@@ -180,7 +180,7 @@ async fn a_continuations_reports_name_leg_spans_of_their_own() {
 }
 
 /// The one report that tells the decode at `url` failed.
-fn dead<'a>(all: &'a [Report], url: &str) -> &'a Report {
+pub(super) fn dead<'a>(all: &'a [Report], url: &str) -> &'a Report {
     let dead: Vec<&Report> = all
         .iter()
         .filter(|r| r.route.decode.id().as_str() == url && r.decode == LegOutcome::Failed)
@@ -399,7 +399,7 @@ async fn the_attempts_report_times_the_decode_that_finished_the_answer() {
 }
 
 /// The reports naming the decode at `url`, whatever they tell of it.
-fn naming<'a>(all: &'a [Report], url: &str) -> Vec<&'a Report> {
+pub(super) fn naming<'a>(all: &'a [Report], url: &str) -> Vec<&'a Report> {
     all.iter()
         .filter(|r| r.route.decode.id().as_str() == url)
         .collect()
