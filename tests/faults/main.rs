@@ -301,15 +301,15 @@ async fn unloadable_kv() -> (Stack, Heard) {
 }
 
 /// The one request on [`unloadable_kv`]'s stack failed its KV load once and was told
-/// as the decode's failure: delivery broken with `decode_error_event`, its one attempt
+/// as the decode's failure: delivery broken with the error `error`, its one attempt
 /// `DecodeFailed`, the prefill answered, the decode leg failed.
-async fn told_as_the_decodes_failure(stack: &Stack, heard: &Heard) {
+async fn told_as_the_decodes_failure(stack: &Stack, heard: &Heard, error: &str) {
     use disagg_core::outcome::{Delivery, LegOutcome, Outcome};
     assert_eq!(stack.d().stats().kv_pull_failures, 1);
     let summary = heard.first(1).await.remove(0);
     assert_eq!(
         (summary.delivery, summary.error),
-        (Delivery::Broken, Some("decode_error_event"))
+        (Delivery::Broken, Some(error))
     );
     let reports = heard.reports();
     let [report] = &reports[..] else {
@@ -348,7 +348,31 @@ async fn a_kv_load_failure_streamed_by_the_decode_is_told_as_its_failure() {
             .is_some_and(|m| m.contains("KV transfer failed")),
         "{events:?}"
     );
-    told_as_the_decodes_failure(&stack, &heard).await;
+    told_as_the_decodes_failure(&stack, &heard, "decode_error_event").await;
+}
+
+/// The same wrong host under a streamed completions request: vLLM 0.33 writes no error
+/// event there (its generator skips the failed output before reading its finish), only
+/// the usage chunk and `[DONE]`. Relayed as the engine wrote it, and told as the
+/// decode's failure all the same: the stream carried no choice's finish reason, error
+/// `decode_unfinished`.
+#[tokio::test]
+async fn a_kv_load_failure_on_a_streamed_completion_is_told_as_the_decodes_failure() {
+    let (stack, heard) = unloadable_kv().await;
+    let body = serde_json::json!({"model": "sim-model", "prompt": "x", "max_tokens": 4,
+                                  "stream": true, "stream_options": {"include_usage": true}});
+    let a = post(&stack.url, "/v1/completions", body.to_string(), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let events = a.events();
+    assert_eq!(events.len(), 2, "the usage chunk and [DONE]: {events:?}");
+    let usage: serde_json::Value = serde_json::from_str(&events[0]).unwrap();
+    assert_eq!(
+        (&usage["choices"], &usage["usage"]["completion_tokens"]),
+        (&serde_json::json!([]), &serde_json::json!(0)),
+        "{events:?}"
+    );
+    assert_eq!(events[1], "[DONE]");
+    told_as_the_decodes_failure(&stack, &heard, "decode_unfinished").await;
 }
 
 #[tokio::test]
@@ -695,5 +719,5 @@ async fn a_kv_load_failure_streamed_by_the_decode_on_messages_is_told_as_its_fai
             .is_some_and(|m| m.contains("KV transfer failed")),
         "{text}"
     );
-    told_as_the_decodes_failure(&stack, &heard).await;
+    told_as_the_decodes_failure(&stack, &heard, "decode_error_event").await;
 }

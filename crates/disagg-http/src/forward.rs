@@ -53,6 +53,7 @@ use disagg_core::json::JsonBody;
 use disagg_core::outcome::LegOutcome;
 use disagg_core::policy::Permit;
 use disagg_core::proto::{forwardable_header, unrelayable};
+use disagg_core::request::Api;
 use disagg_core::transport::Transport;
 use disagg_core::{Endpoint, Role, endpoint::EndpointSet, orchestrator::PdBody};
 use http::header::{self, CONTENT_TYPE, HeaderName, HeaderValue};
@@ -72,7 +73,7 @@ mod sniff;
 mod watch;
 use client::{ClientBody, Started, StreamLimits};
 use sniff::json_object_start;
-use watch::{EngineBody, Verdict};
+use watch::{EngineBody, Verdict, Watched};
 
 /// The answer's marker for a generation served by a decode engine alone.
 const DIRECT: HeaderValue = HeaderValue::from_static("direct");
@@ -331,6 +332,9 @@ impl Inner {
             return pd_error_response(&PdError::deadline_exceeded(side));
         }
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+        // A completions stream must carry a choice's finish reason: one that ends
+        // without did not answer.
+        let completions = parts.uri.path() == Api::Completions.path();
         let uri = match endpoint.uri(path) {
             Ok(uri) => uri,
             Err(e) => {
@@ -445,7 +449,10 @@ impl Inner {
             (guard, permit),
             (config.decode_idle_timeout, deadline),
             (route, verdict),
-            sse && parts.status.is_success(),
+            Watched {
+                events: sse && parts.status.is_success(),
+                completions,
+            },
         );
         let body = PdBody::forward(body.boxed(), sse).scrubbed(&parts.headers);
         strip(&mut parts.headers);

@@ -24,6 +24,7 @@ use disagg_core::outcome::Delivery;
 use disagg_core::source::EndpointSource;
 use disagg_core::{Endpoint, Orchestrator, Role, source::StaticSource};
 use disagg_http::routed::{RouteListener, RouteSummary};
+use disagg_http::routes::RouteAction;
 use disagg_http::server::Builder;
 use disagg_http::{HttpTransport, PdService, PdServiceConfig, RouteTable};
 use disagg_resilience::health::{EndpointHealth, HealthConfig, HealthSource};
@@ -41,7 +42,10 @@ const ROUTES: [&str; 2] = ["/v1/embeddings", "/invocations"];
 /// after one chunk and is held open; the connection's close is sent on the channel),
 /// `do-event-500` and `do-event-400` (a whole 200 event stream: a chunk, an error event
 /// of that code, its payload's start cut between two chunks, and `[DONE]`, as vLLM
-/// streams a failed KV load), else a 200 with a JSON body. Connections are kept alive, as the engines' servers keep them.
+/// streams a failed KV load), `do-unfinished` and `do-finished` (a whole 200 completions
+/// event stream: a chunk, then the usage chunk alone, as vLLM streams a completions
+/// request whose KV load failed, or a last chunk with its finish reason; then `[DONE]`),
+/// else a 200 with a JSON body. Connections are kept alive, as the engines' servers keep them.
 async fn raw_engine() -> (String, mpsc::UnboundedReceiver<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -79,14 +83,17 @@ async fn raw_engine() -> (String, mpsc::UnboundedReceiver<()>) {
                             "data: {{\"error\": {{\"message\": \"Internal server error\", \"code\": {code}}}}}\n\n"
                         );
                         let (a, b) = error.split_at(10);
-                        let chunks = ["data: {\"choices\":[]}\n\n", a, b, "data: [DONE]\n\n"];
-                        let mut out = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
-                                       transfer-encoding: chunked\r\n\r\n"
-                            .to_owned();
-                        for c in chunks {
-                            out += &format!("{:x}\r\n{c}\r\n", c.len());
-                        }
-                        out + "0\r\n\r\n"
+                        events(&["data: {\"choices\":[]}\n\n", a, b, "data: [DONE]\n\n"])
+                    } else if request.contains("do-unfinished") || request.contains("do-finished") {
+                        let first = "data: {\"choices\":[{\"index\":0,\"text\":\"a\",\"finish_reason\":null}]}\n\n";
+                        let last = if request.contains("do-finished") {
+                            "data: {\"choices\":[{\"index\":0,\"text\":\"b\",\"finish_reason\":\"length\"}]}\n\n"
+                        } else {
+                            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":0}}\n\n"
+                        };
+                        // The key cut between two chunks.
+                        let (a, b) = last.split_at(40);
+                        events(&[first, a, b, "data: [DONE]\n\n"])
                     } else {
                         whole("200 OK", r#"{"object":"list","data":[]}"#)
                     };
@@ -110,6 +117,17 @@ async fn raw_engine() -> (String, mpsc::UnboundedReceiver<()>) {
     (url, rx)
 }
 
+/// A whole 200 event stream of `chunks`, each its own chunk of the body.
+fn events(chunks: &[&str]) -> String {
+    let mut out = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                   transfer-encoding: chunked\r\n\r\n"
+        .to_owned();
+    for c in chunks {
+        out += &format!("{:x}\r\n{c}\r\n", c.len());
+    }
+    out + "0\r\n\r\n"
+}
+
 /// A proxy over the decode engines `decodes`, health-filtered with `failure_threshold`,
 /// with `config` and the admin routes (fanned out) open: its address and its source
 /// (whose health the test reads).
@@ -118,7 +136,8 @@ async fn proxy(
     failure_threshold: u32,
     config: OrchestratorConfig,
 ) -> (SocketAddr, HealthSource) {
-    proxy_told(decodes, failure_threshold, config, None).await
+    let table = RouteTable::default().admin_routes(true);
+    proxy_told(decodes, failure_threshold, config, table, None).await
 }
 
 /// Every route summary told.
@@ -131,11 +150,12 @@ impl RouteListener for Routes {
     }
 }
 
-/// [`proxy`], its route summaries told to `routes`.
+/// [`proxy`] with the route table `table`, its route summaries told to `routes`.
 async fn proxy_told(
     decodes: &[&str],
     failure_threshold: u32,
     config: OrchestratorConfig,
+    table: RouteTable,
     routes: Option<Routes>,
 ) -> (SocketAddr, HealthSource) {
     let endpoints = decodes
@@ -149,7 +169,7 @@ async fn proxy_told(
             .config(config)
             .build();
     let mut service_config = PdServiceConfig::default();
-    service_config.routes = RouteTable::default().admin_routes(true);
+    service_config.routes = table;
     if let Some(routes) = routes {
         service_config.route_listeners.push(routes);
     }
@@ -535,7 +555,8 @@ async fn an_error_event_in_a_whole_stream_counts_as_its_code_says() {
         let (engine, _) = raw_engine().await;
         let routes = Routes::default();
         let config = OrchestratorConfig::default();
-        let (addr, source) = proxy_told(&[&engine], 1, config, Some(routes.clone())).await;
+        let table = RouteTable::default().admin_routes(true);
+        let (addr, source) = proxy_told(&[&engine], 1, config, table, Some(routes.clone())).await;
         let ep = endpoint(&source, &engine);
         let health = source.health();
         let (status, text) = post(addr, path, "do-event-400").await;
@@ -567,6 +588,62 @@ async fn an_error_event_in_a_whole_stream_counts_as_its_code_says() {
             told,
             [(200, Delivery::Broken), (200, Delivery::Broken)],
             "{path}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completions_stream_without_a_finish_reason_fails_its_engine() {
+    // A 200 completions event stream that ends with no choice's finish reason (vLLM's
+    // completions stream whose KV load failed) did not answer: relayed whole, the route
+    // broken, the engine's failure (one ejects it here), sent direct or forwarded. One
+    // whose last chunk sets its finish reason is served, and another path's stream is
+    // not held to it.
+    for action in [RouteAction::Direct, RouteAction::Forwarded] {
+        let (engine, _) = raw_engine().await;
+        let routes = Routes::default();
+        let table = RouteTable::default()
+            .admin_routes(true)
+            .set("/v1/completions", action);
+        let config = OrchestratorConfig::default();
+        let (addr, source) = proxy_told(&[&engine], 1, config, table, Some(routes.clone())).await;
+        let ep = endpoint(&source, &engine);
+        let health = source.health();
+        let (status, text) = post(addr, "/v1/completions", "do-finished").await;
+        assert_eq!(status, 200, "{action:?}: {text}");
+        let (status, text) = post(addr, "/v1/embeddings", "do-unfinished").await;
+        assert_eq!(status, 200, "{action:?}: {text}");
+        assert_eq!(
+            health.state(&ep),
+            Some(EndpointHealth::Healthy),
+            "{action:?}"
+        );
+        let (status, text) = post(addr, "/v1/completions", "do-unfinished").await;
+        assert_eq!(status, 200, "{action:?}: {text}");
+        assert!(
+            text.contains("\"completion_tokens\":0") && text.contains("[DONE]"),
+            "{action:?}: relayed whole: {text}"
+        );
+        assert!(
+            ejected(health.state(&ep)),
+            "{action:?}: {:?} after an unfinished stream",
+            health.state(&ep)
+        );
+        let told: Vec<(String, Delivery)> = routes
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|s| (s.path.to_string(), s.delivery))
+            .collect();
+        assert_eq!(
+            told,
+            [
+                ("/v1/completions".to_owned(), Delivery::Complete),
+                ("/v1/embeddings".to_owned(), Delivery::Complete),
+                ("/v1/completions".to_owned(), Delivery::Broken)
+            ],
+            "{action:?}"
         );
     }
 }

@@ -31,6 +31,8 @@ use std::sync::LazyLock;
 
 use memchr::memmem::Finder;
 
+use crate::tail::Tail;
+
 /// What every error event's payload holds at its start, as the engines write it: the key
 /// of a dict whose first key is `error` (OpenAI's shape, `json.dumps`), or the value of
 /// a first member `"type":"error"` (Anthropic's and the Responses API's, pydantic's
@@ -194,11 +196,8 @@ fn type_status(kind: &str) -> Option<u16> {
 /// assert!(event.is_server_error());
 /// ```
 pub struct ErrorEvents {
-    /// The last bytes seen, the oldest first.
-    tail: [u8; TAIL],
-    tail_len: usize,
-    /// Bytes seen before the current frame.
-    seen: u64,
+    /// The last bytes seen.
+    tail: Tail<TAIL>,
     state: State,
 }
 
@@ -219,7 +218,7 @@ impl Default for ErrorEvents {
 impl std::fmt::Debug for ErrorEvents {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ErrorEvents")
-            .field("seen", &self.seen)
+            .field("seen", &self.tail.seen())
             .field("state", &self.state)
             .finish_non_exhaustive()
     }
@@ -229,9 +228,7 @@ impl ErrorEvents {
     /// A watch over a stream not begun.
     pub fn new() -> Self {
         ErrorEvents {
-            tail: [0; TAIL],
-            tail_len: 0,
-            seen: 0,
+            tail: Tail::new(),
             state: State::Watching,
         }
     }
@@ -252,17 +249,18 @@ impl ErrorEvents {
             // The line from the payload's start: what the tail holds of it, then the
             // frame's bytes.
             let mut line = Vec::new();
-            if at < self.tail_len {
-                line.extend_from_slice(&self.tail[at..self.tail_len]);
+            let tail = self.tail.as_slice();
+            if at < tail.len() {
+                line.extend_from_slice(&tail[at..]);
             }
-            let from = at.saturating_sub(self.tail_len);
+            let from = at.saturating_sub(tail.len());
             self.state = match read_on(&mut line, &data[from..]) {
                 Some(event) => State::Read(event),
                 None => State::Reading(line),
             };
             return;
         }
-        self.keep(data);
+        self.tail.keep(data);
     }
 
     /// The error event seen, once the stream has ended (a line cut by the stream's end
@@ -282,18 +280,17 @@ impl ErrorEvents {
     fn find(&self, data: &[u8]) -> Option<usize> {
         // The key cut between the last frame and this one: `k` of its bytes at the
         // tail's end (one wholly in the tail was looked at with the frame before).
-        let tail = &self.tail[..self.tail_len];
-        for k in 1..KEY.len() {
-            if tail.ends_with(&KEY[..k])
-                && data.starts_with(&KEY[k..])
-                && let Some(v) = self.payload_start(self.tail_len - k, data)
-            {
-                return Some(v);
-            }
+        let kept = self.tail.len();
+        if let Some(v) = self
+            .tail
+            .cut(KEY, data)
+            .find_map(|k| self.payload_start(kept - k, data))
+        {
+            return Some(v);
         }
         let mut at = 0;
         while let Some(hit) = FINDER.find(&data[at..]) {
-            if let Some(v) = self.payload_start(self.tail_len + at + hit, data) {
+            if let Some(v) = self.payload_start(kept + at + hit, data) {
                 return Some(v);
             }
             at += hit + 1;
@@ -354,31 +351,12 @@ impl ErrorEvents {
         }
         // Nothing kept before the field name: it starts a line only at the stream's
         // start (the tail then holds every byte seen).
-        name == 0 && self.seen == self.tail_len as u64
+        name == 0 && self.tail.seen() == self.tail.len() as u64
     }
 
     /// The byte at `i`, an index into the tail followed by `data`.
     fn byte(&self, i: usize, data: &[u8]) -> u8 {
-        if i < self.tail_len {
-            self.tail[i]
-        } else {
-            data[i - self.tail_len]
-        }
-    }
-
-    /// Keep the last bytes of the tail followed by `data`.
-    fn keep(&mut self, data: &[u8]) {
-        self.seen += data.len() as u64;
-        if data.len() >= TAIL {
-            self.tail.copy_from_slice(&data[data.len() - TAIL..]);
-            self.tail_len = TAIL;
-            return;
-        }
-        let keep = (TAIL - data.len()).min(self.tail_len);
-        self.tail
-            .copy_within(self.tail_len - keep..self.tail_len, 0);
-        self.tail[keep..keep + data.len()].copy_from_slice(data);
-        self.tail_len = keep + data.len();
+        self.tail.byte(i, data)
     }
 }
 

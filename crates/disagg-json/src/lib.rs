@@ -11,6 +11,7 @@
 //! | [`BodyError`], [`InvalidParam`] | why a body could not be used |
 //! | [`openai_error_body`] | OpenAI's error body, the shape every error answer and error event takes |
 //! | [`ErrorEvents`] | an engine's in-band error event, spotted in its stream as it is relayed |
+//! | [`FinishReasons`] | whether an OpenAI-style stream carried a choice's finish reason (one that ends without did not answer) |
 //!
 //! Nothing here knows the orchestrator or any engine: `disagg-core` builds its
 //! `PdRequest` on [`JsonBody`] (and re-exports this crate as `disagg_core::json`), and
@@ -32,8 +33,10 @@
 mod body;
 mod error;
 mod event;
+mod finish;
 pub mod lax;
 pub mod raw;
+mod tail;
 
 pub use body::{
     JsonBody, MAX_FIELDS, ReadPair, top_level_field, top_level_read, top_level_read_pair,
@@ -41,3 +44,4 @@ pub use body::{
 };
 pub use error::{BodyError, InvalidParam, openai_error_body};
 pub use event::{ErrorEvent, ErrorEvents, MAX_ERROR_EVENT};
+pub use finish::FinishReasons;

@@ -39,7 +39,7 @@ use crate::outcome::{Delivery, LegOutcome, Outcome, Report, Summary};
 use crate::policy::Permit;
 use crate::transport::BoxBody;
 
-use disagg_json::ErrorEvents;
+use disagg_json::{ErrorEvents, FinishReasons};
 
 use super::answer::{Scrubber, scrubbed_kind};
 use super::report::{Reporter, decode_end, prefill_end, unsent_or_abandoned};
@@ -88,6 +88,9 @@ pub(crate) struct Finish {
     /// The watch for an error event the decode writes in its stream (an event stream
     /// relayed as it is: a migrating one reads its own events).
     pub(crate) errors: Option<ErrorEvents>,
+    /// The watch for a choice's finish reason in a completions stream relayed as it is
+    /// (one that ends without did not answer: vLLM's failed KV load).
+    pub(crate) finishes: Option<FinishReasons>,
 }
 
 impl Finish {
@@ -105,12 +108,16 @@ impl Finish {
             bytes: 0,
             moved: None,
             errors: None,
+            finishes: None,
         }
     }
 
     /// A data frame, `data`, is going to the client.
     fn sent(&mut self, data: &[u8]) {
         if let Some(w) = self.errors.as_mut() {
+            w.watch(data);
+        }
+        if let Some(w) = self.finishes.as_mut() {
             w.watch(data);
         }
         if self.summary.is_none() {
@@ -194,6 +201,13 @@ impl Finish {
                 .or(applied.refused),
             _ => None,
         };
+        // A completions stream that ended as its engine ended it, with no error event
+        // and no choice's finish reason: it did not answer (vLLM 0.33's completions
+        // stream whose KV load failed ends so, with `[DONE]`).
+        let unfinished = in_band.is_none()
+            && (outcome, report.outcome, report.decode)
+                == (Outcome::Success, Outcome::Success, LegOutcome::Answered)
+            && self.finishes.as_ref().is_some_and(|w| !w.finished());
         match outcome {
             // The attempt stays as the head told it: a success (the decode leg answered,
             // or not sent: the prefill's answer was the whole answer), the decode's
@@ -206,6 +220,12 @@ impl Finish {
             // exception in its stream generator), else its refusal (a 4xx, or no status
             // said: its leg answered, as for a 4xx head). Which engine lost the KV is
             // not said: the decode is blamed, as a migrating stream blames it.
+            // A completions stream that did not answer is the decode's failure, as
+            // the same request not streamed is (vLLM answers it 500).
+            Outcome::Success if unfinished => {
+                report.decode = LegOutcome::Failed;
+                report.outcome = Outcome::DecodeFailed;
+            }
             Outcome::Success => {
                 if let Some(event) = in_band {
                     report.decode = if event.is_server_error() {
@@ -292,7 +312,7 @@ impl Finish {
         let broke = applied.broke || applied.prefill_broke;
         let outcome = if broke && outcome == Outcome::Success {
             Outcome::DecodeFailed
-        } else if in_band.is_some() {
+        } else if in_band.is_some() || unfinished {
             report.outcome
         } else {
             outcome
@@ -331,6 +351,8 @@ impl Finish {
                     None if report.outcome == Outcome::PrefillRefused => "prefill_failed",
                     // The decode's own error event, relayed as it came.
                     None if in_band.is_some() => "decode_error_event",
+                    // The decode's stream ended with no answer, as it came.
+                    None if unfinished => "decode_unfinished",
                     None => "decode_stream_failed",
                 });
             }

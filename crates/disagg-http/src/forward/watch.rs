@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use disagg_core::endpoint::InFlightGuard;
 use disagg_core::error::BoxError;
-use disagg_core::json::ErrorEvents;
+use disagg_core::json::{ErrorEvents, FinishReasons};
 use disagg_core::outcome::{Delivery, LegOutcome};
 use disagg_core::policy::Permit;
 use disagg_core::transport::BoxBody;
@@ -70,27 +70,40 @@ pub(super) struct EngineWatch {
     verdict: Option<Verdict>,
     /// The watch for an error event the engine writes in a 2xx event stream.
     errors: Option<ErrorEvents>,
+    /// The watch for a choice's finish reason in a 2xx completions event stream.
+    finishes: Option<FinishReasons>,
+}
+
+/// What an engine's answer is watched for, beside its end.
+pub(super) struct Watched {
+    /// The answer is a 2xx event stream: an error event the engine writes in it is how
+    /// the answer ends.
+    pub(super) events: bool,
+    /// The request was a completions request (`/v1/completions`): its event stream
+    /// must carry a choice's finish reason, or it did not answer.
+    pub(super) completions: bool,
 }
 
 impl EngineBody {
-    /// `body`, watched; `events` when it is a 2xx event stream (an error event the
-    /// engine writes in it is then how the answer ends).
+    /// `body`, watched for what `watched` says.
     pub(super) fn watch<B>(
         body: B,
         places: (InFlightGuard, Option<Permit>),
         (idle, deadline): (Option<Duration>, Option<tokio::time::Instant>),
         (route, verdict): (Option<RouteEnd>, Option<Verdict>),
-        events: bool,
+        watched: Watched,
     ) -> Self
     where
         B: Body<Data = Bytes> + Send + Sync + 'static,
         B::Error: Into<BoxError>,
     {
+        let told = watched.events && (route.is_some() || verdict.is_some());
         let mut watch = EngineWatch {
             _places: places,
             idle: idle.map(|d| (d, Box::pin(tokio::time::sleep(d)))),
             deadline: deadline.map(|d| Box::pin(tokio::time::sleep_until(d))),
-            errors: (events && (route.is_some() || verdict.is_some())).then(ErrorEvents::new),
+            errors: told.then(ErrorEvents::new),
+            finishes: (told && watched.completions).then(FinishReasons::new),
             route,
             verdict,
         };
@@ -118,13 +131,19 @@ impl EngineWatch {
     /// when it broke).
     ///
     /// An answer that ended complete but carried the engine's error event is broken;
-    /// the engine failed when the event names a 5xx status.
+    /// the engine failed when the event names a 5xx status. A completions stream that
+    /// ended complete with no choice's finish reason (and no error event) did not
+    /// answer: broken, the engine's failure (vLLM's failed KV load ends so).
     fn ended(&mut self, delivery: Delivery) {
         let event = match delivery {
             Delivery::Complete => self.errors.as_mut().and_then(ErrorEvents::finish),
             _ => None,
         };
+        let unfinished = delivery == Delivery::Complete
+            && event.is_none()
+            && self.finishes.as_ref().is_some_and(|w| !w.finished());
         let (delivery, outcome) = match (delivery, event) {
+            (Delivery::Complete, None) if unfinished => (Delivery::Broken, LegOutcome::Failed),
             (Delivery::Complete, Some(e)) if e.is_server_error() => {
                 (Delivery::Broken, LegOutcome::Failed)
             }
@@ -164,6 +183,9 @@ impl Hooks<BoxBody> for EngineWatch {
         self.answered();
         if let Some(data) = frame.data_ref() {
             if let Some(w) = self.errors.as_mut() {
+                w.watch(data);
+            }
+            if let Some(w) = self.finishes.as_mut() {
                 w.watch(data);
             }
             if let Some(r) = self.route.as_mut() {

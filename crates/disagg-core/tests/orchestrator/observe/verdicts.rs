@@ -483,3 +483,80 @@ async fn an_error_event_in_the_decodes_stream_ends_the_attempt_as_its_code_says(
         );
     }
 }
+
+/// A streamed completions request whose decode answers 200 and then ends its stream
+/// with no choice's finish reason (vLLM 0.33's completions stream whose KV load failed:
+/// the usage chunk, `[DONE]`, no chunk of the answer): relayed byte for byte, and the
+/// decode's failure (its non-streamed answer would be a 500), the request's delivery
+/// broken with the error `decode_unfinished`. A stream whose last chunk sets a finish
+/// reason is a success, and a chat stream is not held to it (its failure is an error
+/// event).
+#[tokio::test(start_paused = true)]
+async fn a_completions_stream_ending_without_a_finish_reason_is_the_decodes_failure() {
+    let chunk = |finish: &str| {
+        format!(
+            r#"data: {{"id":"cmpl-1","object":"text_completion","choices":[{{"index":0,"text":"a","finish_reason":{finish}}}]}}"#
+        ) + "\n\n"
+    };
+    let usage = r#"data: {"id":"cmpl-1","object":"text_completion","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":0}}"#.to_owned() + "\n\n";
+    let cases = [
+        ("usage only", Api::Completions, vec![usage.clone()], false),
+        ("null only", Api::Completions, vec![chunk("null")], false),
+        (
+            "served",
+            Api::Completions,
+            vec![chunk("null"), chunk("\"length\""), usage.clone()],
+            true,
+        ),
+        ("chat", Api::Chat, vec![usage.clone()], true),
+    ];
+    for (what, api, frames, served) in cases {
+        let fake = Fake::new();
+        let path = api.path();
+        fake.on(P1, path, prefill_answer());
+        let mut stream = Reply::sse();
+        for frame in &frames {
+            // The key cut between two frames.
+            let (a, b) = frame.split_at(frame.len().min(80));
+            stream = stream.frame(ms(5), a.to_owned()).frame(ms(5), b.to_owned());
+        }
+        fake.on(D1, path, stream.frame(ms(5), DONE));
+        let (orch, heard) = heard(&fake, &[P1], VllmNixl::new(), |_| {});
+        let body = r#"{"model":"m","prompt":"hi","max_tokens":4,"stream":true}"#;
+        let req = orch
+            .request(api, HeaderMap::new(), &Bytes::from_static(body.as_bytes()))
+            .unwrap();
+        let resp = serve(&orch, req).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK, "{what}");
+        let all = within(resp.into_body().collect()).await.unwrap().to_bytes();
+        assert_eq!(
+            std::str::from_utf8(&all).unwrap(),
+            frames.concat() + DONE,
+            "{what}: relayed as it came"
+        );
+        assert_settled(&orch);
+        let r = one(&heard, what);
+        let (outcome, decode, delivery, error) = if served {
+            (
+                Outcome::Success,
+                LegOutcome::Answered,
+                Delivery::Complete,
+                None,
+            )
+        } else {
+            (
+                Outcome::DecodeFailed,
+                LegOutcome::Failed,
+                Delivery::Broken,
+                Some("decode_unfinished"),
+            )
+        };
+        assert_eq!(
+            (r.outcome, r.prefill, r.decode),
+            (outcome, LegOutcome::Answered, decode),
+            "{what}"
+        );
+        let s = heard.summary();
+        assert_eq!((s.delivery, s.error), (delivery, error), "{what}");
+    }
+}

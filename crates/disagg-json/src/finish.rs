@@ -1,0 +1,198 @@
+//! Whether an OpenAI-style event stream carried a choice's finish reason
+//! ([`FinishReasons`]).
+//!
+//! Every answer of `/v1/completions` (and `/v1/chat/completions`) ends each choice with
+//! a chunk whose `finish_reason` is set (`"stop"`, `"length"`, ...); the chunks before
+//! it carry `null`. A stream that ends without one did not answer. vLLM 0.33 ends so a
+//! streamed completions request whose KV load failed (`kv_load_failure_policy="fail"`):
+//! its stream generator skips the output that has no text before it reads the output's
+//! `error` finish, and the stream ends normally, with no chunk of the answer (only the
+//! usage chunk, when asked for) and `data: [DONE]`
+//! (`vllm/entrypoints/openai/completion/serving.py`, `completion_stream_generator`).
+
+use std::sync::LazyLock;
+
+use memchr::memmem::Finder;
+
+use crate::tail::Tail;
+
+/// The key searched for. A JSON string cannot hold it: its closing quote would be
+/// escaped.
+const KEY: &[u8] = b"\"finish_reason\"";
+
+/// The searcher for [`KEY`], built once.
+static FINDER: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(KEY));
+
+/// Bytes kept from one frame to the next: enough for a key cut between two frames.
+const TAIL: usize = 16;
+
+/// Watches the bytes of an OpenAI-style event stream, frame by frame, for a choice's
+/// finish reason set: to a string, or to an object as SGLang's native stream sets it
+/// (not `null`).
+///
+/// One `memchr` search per frame for `"finish_reason"` (a key cut between two frames is
+/// found by comparing the frame's first bytes with the last one's), and where it is
+/// found, the bytes after it up to its value's first byte (`:` and blanks between, in
+/// this frame or the next). The first value set ends the watch. Nothing is allocated.
+///
+/// ```
+/// use disagg_json::FinishReasons;
+///
+/// let mut watch = FinishReasons::new();
+/// watch.watch(br#"data: {"choices":[{"text":"a","finish_reason":null}]}"#);
+/// watch.watch(b"\n\ndata: {\"choices\":[{\"text\":\"\",\"finish_re");
+/// assert!(!watch.finished());
+/// watch.watch(br#"ason": "length"}]}"#);
+/// assert!(watch.finished());
+/// ```
+pub struct FinishReasons {
+    tail: Tail<TAIL>,
+    after: After,
+    finished: bool,
+}
+
+/// Where the watch stands after a key it found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum After {
+    /// Not after a key.
+    Nothing,
+    /// After the key: its `:` comes next.
+    Key,
+    /// After the `:`: the value's first byte comes next.
+    Colon,
+}
+
+impl Default for FinishReasons {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for FinishReasons {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FinishReasons")
+            .field("finished", &self.finished)
+            .finish_non_exhaustive()
+    }
+}
+
+impl FinishReasons {
+    /// A watch over a stream not begun.
+    pub const fn new() -> Self {
+        FinishReasons {
+            tail: Tail::new(),
+            after: After::Nothing,
+            finished: false,
+        }
+    }
+
+    /// Whether a finish reason was set in the stream so far.
+    pub fn finished(&self) -> bool {
+        self.finished
+    }
+
+    /// The stream's next bytes.
+    pub fn watch(&mut self, data: &[u8]) {
+        if self.finished {
+            return;
+        }
+        let mut at = 0;
+        if self.after != After::Nothing {
+            // A key found in the frame before, its value not reached yet.
+            at = self.after_key(data, 0);
+        } else {
+            let cut = self.tail.cut(KEY, data).next();
+            if let Some(k) = cut {
+                self.after = After::Key;
+                at = self.after_key(data, KEY.len() - k);
+            }
+        }
+        while !self.finished && self.after == After::Nothing {
+            let Some(hit) = FINDER.find(&data[at..]) else {
+                break;
+            };
+            self.after = After::Key;
+            at = self.after_key(data, at + hit + KEY.len());
+        }
+        self.tail.keep(data);
+    }
+
+    /// Walks `data` from `i`, after a key: blanks, its `:`, blanks, then its value's
+    /// first byte, which tells whether the reason is set (a string, or SGLang's object;
+    /// not `null`). Where
+    /// the walk stopped: past the value's first byte, at the byte that showed the key
+    /// was no key (not followed by `:`), or at `data`'s end (the walk goes on in the
+    /// next frame).
+    fn after_key(&mut self, data: &[u8], mut i: usize) -> usize {
+        while let Some(&b) = data.get(i) {
+            match (self.after, b) {
+                (_, b' ' | b'\t') => {}
+                (After::Key, b':') => self.after = After::Colon,
+                (After::Colon, value) => {
+                    self.after = After::Nothing;
+                    self.finished = matches!(value, b'"' | b'{');
+                    return i + 1;
+                }
+                _ => {
+                    self.after = After::Nothing;
+                    return i;
+                }
+            }
+            i += 1;
+        }
+        i
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether `stream`, fed in frames cut at `cuts`, carried a finish reason.
+    fn finished(stream: &[u8], cuts: &[usize]) -> bool {
+        let mut w = FinishReasons::new();
+        let mut from = 0;
+        for &cut in cuts.iter().chain([&stream.len()]) {
+            w.watch(&stream[from..cut]);
+            from = cut;
+        }
+        w.finished()
+    }
+
+    /// vLLM's completions stream: chunks with `null`, the last one's set, usage, done.
+    const SERVED: &[u8] = b"data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\"a\",\"logprobs\":null,\"finish_reason\":null,\"stop_reason\":null}]}\n\n\
+data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\"b\",\"logprobs\":null,\"finish_reason\":\"length\",\"stop_reason\":null}]}\n\n\
+data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"choices\":[],\"usage\":{\"prompt_tokens\":3}}\n\n\
+data: [DONE]\n\n";
+
+    #[test]
+    fn a_finish_reason_is_found_however_the_stream_is_cut() {
+        for cut in 0..=SERVED.len() {
+            assert!(finished(SERVED, &[cut]), "cut at {cut}");
+        }
+        let cuts: Vec<usize> = (1..SERVED.len()).collect();
+        assert!(finished(SERVED, &cuts), "a byte per frame");
+        // Spaced as `json.dumps` writes it.
+        assert!(finished(
+            b"data: {\"finish_reason\" :  \"stop\"}\n\n",
+            &[17, 19]
+        ));
+    }
+
+    #[test]
+    fn a_stream_with_none_set_did_not_finish() {
+        // vLLM's completions stream whose KV load failed: the usage chunk and `[DONE]`.
+        let failed = b"data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":0}}\n\ndata: [DONE]\n\n";
+        // Chunks whose reason is `null`; the key's name in text or as a value.
+        let unfinished = b"data: {\"choices\":[{\"text\":\"\\\"finish_reason\\\": \\\"stop\\\"\",\"finish_reason\":null}]}\n\n\
+data: {\"choices\":[{\"text\":\"x\",\"finish_reason\" : null}],\"note\":\"finish_reason\"}\n\n\
+data: {\"x\":[\"finish_reason\",\"stop\"]}\n\ndata: [DONE]\n\n";
+        for stream in [&failed[..], &unfinished[..], b"data: [DONE]\n\n", b""] {
+            for cut in 0..=stream.len() {
+                assert!(!finished(stream, &[cut]), "cut at {cut}");
+            }
+            let cuts: Vec<usize> = (1..stream.len()).collect();
+            assert!(!finished(stream, &cuts), "a byte per frame");
+        }
+    }
+}
