@@ -477,3 +477,151 @@ async fn the_orchestrator_reports_each_leg_so_a_dead_prefill_is_ejected_by_traff
     assert_eq!(health.state(&decode), Some(EndpointHealth::Healthy));
     assert_eq!(p.stats().requests, 8);
 }
+
+/// A prefill whose side channel no decode can reach (it advertises a host where nothing
+/// listens): every decode it hands KV to fails its load and answers 500, which blames
+/// the decode. Round-robin over two prefills and three decodes hands the bad prefill's
+/// KV to a different decode each time, and each decode's failures are broken up by its
+/// successes with the good prefill, so no decode's breaker ever opens; the bad prefill
+/// answered every leg. Its handoffs failing on decode after decode are what tells: from
+/// the second, each counts against the prefill, which is ejected after
+/// `failure_threshold` of them, and every request then succeeds. No decode is ejected.
+#[tokio::test]
+async fn a_prefill_whose_kv_no_decode_can_load_is_ejected_not_the_decodes() {
+    let good = SimEngine::start(SimConfig::default()).await.unwrap();
+    let bad = SimEngine::start(SimConfig {
+        advertised_host: "127.0.0.2".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let decodes = [
+        SimEngine::start(SimConfig::default()).await.unwrap(),
+        SimEngine::start(SimConfig::default()).await.unwrap(),
+        SimEngine::start(SimConfig::default()).await.unwrap(),
+    ];
+    let mut endpoints = vec![
+        Endpoint::new(&good.url(), Role::Prefill).unwrap(),
+        Endpoint::new(&bad.url(), Role::Prefill).unwrap(),
+    ];
+    endpoints.extend(
+        decodes
+            .iter()
+            .map(|d| Endpoint::new(&d.url(), Role::Decode).unwrap()),
+    );
+    let inner = Arc::new(StaticSource::new(endpoints));
+    let mut config = passive(Duration::from_secs(60));
+    config.failure_threshold = 3;
+    let source = HealthSource::new(Arc::clone(&inner), config);
+    let health = Arc::clone(source.health());
+    let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new())
+        .router(PerLeg::both(RoundRobin::new))
+        .build();
+    let (url, _stop) = serve_proxy(orchestrator).await;
+
+    let mut failed = Vec::new();
+    for i in 0..16 {
+        let a = post(
+            &url,
+            "/v1/completions",
+            completion(&format!("k{i}"), 2, false),
+            &[],
+        )
+        .await;
+        if a.status != 200 {
+            // The decode's own 500, relayed.
+            assert_eq!(a.status, 500, "{}", a.text());
+            assert!(a.text().contains("KV transfer failed"), "{}", a.text());
+            failed.push(i);
+        }
+    }
+    // The bad prefill's legs (every other request) until its third blame: its first
+    // failure says nothing of it, the next three count.
+    assert_eq!(
+        failed,
+        [1, 3, 5, 7],
+        "the bad prefill is out after four failed loads"
+    );
+    let set = inner.snapshot();
+    let bad_ep = Arc::clone(&set.by_role(Role::Prefill)[1]);
+    assert!(
+        matches!(health.state(&bad_ep), Some(EndpointHealth::Ejected { .. })),
+        "{:?}",
+        health.state(&bad_ep)
+    );
+    for ep in set.by_role(Role::Prefill)[..1]
+        .iter()
+        .chain(set.by_role(Role::Decode))
+    {
+        assert_eq!(
+            health.state(ep),
+            Some(EndpointHealth::Healthy),
+            "{}",
+            ep.id()
+        );
+    }
+    let failures: u64 = decodes.iter().map(|d| d.stats().kv_pull_failures).sum();
+    assert_eq!(failures, 4, "each failure was a lost KV load");
+}
+
+/// The other side of the rule above: two decodes that fail every request (answering
+/// 500) while a third works, behind one healthy prefill. Round-robin hands the
+/// prefill's KV to the two failing decodes one after the other, so one of each pair of
+/// their failures counts against the prefill too, but the working decode's next success
+/// with that prefill wipes it: the failing decodes are ejected, the prefill stays.
+#[tokio::test]
+async fn decodes_that_fail_on_their_own_are_ejected_not_their_prefill() {
+    let p = SimEngine::start(SimConfig::default()).await.unwrap();
+    let failing = || SimConfig {
+        faults: disagg_sim::Faults {
+            status: Some(500),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let decodes = [
+        SimEngine::start(SimConfig::default()).await.unwrap(),
+        SimEngine::start(failing()).await.unwrap(),
+        SimEngine::start(failing()).await.unwrap(),
+    ];
+    let mut endpoints = vec![Endpoint::new(&p.url(), Role::Prefill).unwrap()];
+    endpoints.extend(
+        decodes
+            .iter()
+            .map(|d| Endpoint::new(&d.url(), Role::Decode).unwrap()),
+    );
+    let inner = Arc::new(StaticSource::new(endpoints));
+    let mut config = passive(Duration::from_secs(60));
+    config.failure_threshold = 3;
+    let source = HealthSource::new(Arc::clone(&inner), config);
+    let health = Arc::clone(source.health());
+    let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new())
+        .router(PerLeg::both(RoundRobin::new))
+        .build();
+    let (url, _stop) = serve_proxy(orchestrator).await;
+
+    let mut failed = 0;
+    for i in 0..12 {
+        let a = post(
+            &url,
+            "/v1/completions",
+            completion(&format!("d{i}"), 2, false),
+            &[],
+        )
+        .await;
+        failed += usize::from(a.status != 200);
+    }
+    assert_eq!(
+        failed, 6,
+        "each failing decode fails three times, then is out"
+    );
+    let set = inner.snapshot();
+    let prefill = &set.by_role(Role::Prefill)[0];
+    assert_eq!(health.state(prefill), Some(EndpointHealth::Healthy));
+    let states: Vec<bool> = set
+        .by_role(Role::Decode)
+        .iter()
+        .map(|d| matches!(health.state(d), Some(EndpointHealth::Ejected { .. })))
+        .collect();
+    assert_eq!(states, [false, true, true]);
+}

@@ -19,6 +19,10 @@ pub(super) struct EndpointState {
     pub(super) breaker: Mutex<u32>,
     /// Every ejection since the state was made, for metrics.
     pub(super) ejections: AtomicU64,
+    /// A prefill's: the decode (a hash of its id, never 0) whose leg last failed after
+    /// this prefill handed it KV, with no handoff of this prefill's loaded since; 0
+    /// when none ([`Health::lost_kv`]).
+    pub(super) lost_kv_on: AtomicU64,
 }
 
 /// Why a breaker opened.
@@ -40,6 +44,7 @@ impl EndpointState {
             down: AtomicBool::new(false),
             breaker: Mutex::new(0),
             ejections: AtomicU64::new(0),
+            lost_kv_on: AtomicU64::new(0),
         }
     }
 

@@ -32,6 +32,11 @@
 //!   decides: a success closes the breaker and resets `t` to `base_ejection`, a failure
 //!   opens it again for twice the time, at most `max_ejection`.
 //!
+//! A decode that fails after a prefill handed it KV is also evidence against the
+//! prefill, once that prefill's handoffs failed on two decodes in a row (with no
+//! handoff of its loaded between): then its KV is what no decode can load, and the
+//! failure counts against it too (the [`Listener`] impl's `lost_kv`).
+//!
 //! # Active checks
 //!
 //! When the embedder runs [`Health::run_checks`], every engine is asked `GET /health`

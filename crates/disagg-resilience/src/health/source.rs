@@ -81,17 +81,70 @@ impl Listener for Health {
     }
 
     fn on_report(&self, report: &Report) {
-        let legs = [
-            (report.route.prefill.as_ref(), report.prefill),
-            (Some(&report.route.decode), report.decode),
-        ];
-        for (endpoint, verdict) in legs {
-            let Some(endpoint) = endpoint else { continue };
-            match verdict {
-                LegOutcome::Answered => self.record(endpoint, true),
-                LegOutcome::Failed => self.record(endpoint, false),
-                _ => {}
+        let decode = &report.route.decode;
+        if let Some(prefill) = report.route.prefill.as_ref() {
+            let verdict = match (report.prefill, report.decode) {
+                // Its KV handed and the decode failed: whose failure is it?
+                (LegOutcome::Answered, LegOutcome::Failed) => self.lost_kv(prefill, decode),
+                (LegOutcome::Answered, answered) => {
+                    if answered == LegOutcome::Answered {
+                        self.kv_loaded(prefill);
+                    }
+                    Some(true)
+                }
+                (LegOutcome::Failed, _) => Some(false),
+                _ => None,
+            };
+            if let Some(ok) = verdict {
+                self.record(prefill, ok);
+            }
+        }
+        match report.decode {
+            LegOutcome::Answered => self.record(decode, true),
+            LegOutcome::Failed => self.record(decode, false),
+            _ => {}
+        }
+    }
+}
+
+impl Health {
+    /// The prefill `prefill` answered and handed its KV to `decode`, whose leg then
+    /// failed: the decode is told failed (as any failed leg), and the prefill's own
+    /// verdict is returned. A decode's failure after a handoff cannot say whose the KV
+    /// loss was (vLLM answers a failed KV load as its own 500, or an error event in its
+    /// stream), but the prefill's handoffs across decodes can: when the one before
+    /// failed too, on another decode, with no handoff of this prefill's loaded since,
+    /// the prefill is failed (`Some(false)`): its KV is what no decode could load. The
+    /// first such failure, or one on the same decode again, says nothing of the
+    /// prefill (`None`): neither its success, which would reset its count, nor its
+    /// failure. Without this, a prefill whose KV no decode can load (its side channel
+    /// unreachable, a wrong advertised host) stays healthy while the decodes take the
+    /// blame in turn.
+    fn lost_kv(&self, prefill: &Endpoint, decode: &Endpoint) -> Option<bool> {
+        let on = decode_key(decode);
+        let before = {
+            let registry = read(&self.registry);
+            registry
+                .get(prefill)?
+                .lost_kv_on
+                .swap(on, Ordering::Relaxed)
+        };
+        (before != 0 && before != on).then_some(false)
+    }
+
+    /// A handoff of `prefill`'s loaded: the failures before it say nothing of the next.
+    fn kv_loaded(&self, prefill: &Endpoint) {
+        if let Some(state) = read(&self.registry).get(prefill) {
+            // Read first: a store only after a failure, as for the breaker's count.
+            if state.lost_kv_on.load(Ordering::Relaxed) != 0 {
+                state.lost_kv_on.store(0, Ordering::Relaxed);
             }
         }
     }
+}
+
+/// A decode's key in [`EndpointState::lost_kv_on`]: a hash of its id, never 0.
+fn decode_key(decode: &Endpoint) -> u64 {
+    use std::hash::BuildHasher;
+    foldhash::fast::FixedState::default().hash_one(decode.id().as_str()) | 1
 }
