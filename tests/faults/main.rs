@@ -375,6 +375,90 @@ async fn a_kv_load_failure_on_a_streamed_completion_is_told_as_the_decodes_failu
     told_as_the_decodes_failure(&stack, &heard, "decode_unfinished").await;
 }
 
+/// The same wrong host under a streamed `/cohere/v2/chat`: vLLM 0.33's Cohere route ends
+/// the stream with a `message-end` whose `delta` holds the error (`finish_reason`
+/// `ERROR`), then `[DONE]`. Relayed as it came; the event names no status, so the
+/// request is told as the decode's refusal (its leg answered, no engine blamed), its
+/// delivery broken with `decode_error_event`, not as served.
+#[tokio::test]
+async fn a_kv_load_failure_on_a_streamed_cohere_chat_is_no_served_answer() {
+    use disagg_core::outcome::{Delivery, LegOutcome, Outcome};
+    let (stack, heard) = unloadable_kv().await;
+    let body = serde_json::json!({"model": "sim-model", "max_tokens": 4, "stream": true,
+                                  "messages": [{"role": "user", "content": "x"}]});
+    let a = post(&stack.url, "/cohere/v2/chat", body.to_string(), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let events = a.events();
+    assert_eq!(events.len(), 3, "{events:?}");
+    let end: serde_json::Value = serde_json::from_str(&events[1]).unwrap();
+    assert_eq!(
+        (&end["type"], &end["delta"]["finish_reason"]),
+        (&"message-end".into(), &"ERROR".into()),
+        "{events:?}"
+    );
+    assert!(
+        end["delta"]["error"]
+            .as_str()
+            .is_some_and(|m| m.contains("KV transfer failed")),
+        "{events:?}"
+    );
+    assert_eq!(events[2], "[DONE]");
+    assert_eq!(stack.d().stats().kv_pull_failures, 1);
+    let summary = heard.first(1).await.remove(0);
+    assert_eq!(
+        (summary.delivery, summary.error),
+        (Delivery::Broken, Some("decode_error_event"))
+    );
+    let reports = heard.reports();
+    let [report] = &reports[..] else {
+        panic!("one attempt: {reports:?}")
+    };
+    assert_eq!(
+        (report.outcome, report.prefill, report.decode),
+        (
+            Outcome::DecodeRefused,
+            LegOutcome::Answered,
+            LegOutcome::Answered
+        )
+    );
+}
+
+/// The same wrong host under a streamed `/v1/responses`: vLLM 0.33 writes
+/// `response.created` and `response.in_progress`, then its error payload fails the
+/// stream's event validation and the server cuts the connection. The proxy relays the
+/// two events and ends the client's stream with its own error event, a broken stream:
+/// the decode's failure.
+#[tokio::test]
+async fn a_kv_load_failure_on_a_streamed_response_is_the_decodes_failure() {
+    let (stack, heard) = unloadable_kv().await;
+    let body = serde_json::json!({"model": "sim-model", "input": "x",
+                                  "max_output_tokens": 4, "stream": true});
+    let a = post(&stack.url, "/v1/responses", body.to_string(), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    // Each event's `data:` line (the Responses events have an `event:` line first).
+    let text = a.text();
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))
+        .collect();
+    let types: Vec<String> = events
+        .iter()
+        .map(|e| {
+            let v: serde_json::Value = serde_json::from_str(e).unwrap();
+            v["type"].as_str().unwrap_or("").to_owned()
+        })
+        .collect();
+    assert_eq!(
+        types[..2],
+        ["response.created", "response.in_progress"],
+        "{events:?}"
+    );
+    let last: serde_json::Value = serde_json::from_str(&events[2]).unwrap();
+    assert_eq!(last["error"]["code"], "decode_stream_failed", "{events:?}");
+    assert_eq!(events.len(), 3, "no [DONE]: {events:?}");
+    told_as_the_decodes_failure(&stack, &heard, "decode_stream_failed").await;
+}
+
 #[tokio::test]
 async fn decode_failing_mid_stream_ends_with_an_sse_error_event() {
     let stack = Stack::builder()

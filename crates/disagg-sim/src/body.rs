@@ -1,6 +1,7 @@
 //! Response bodies: whole JSON documents, SSE streams generated frame by
 //! frame, and the deliberately broken ones of fault injection.
 
+use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::future::Future;
 use std::pin::Pin;
@@ -15,9 +16,10 @@ use tokio::time::Sleep;
 use crate::generate::Generation;
 use crate::stats::RequestGuard;
 
-/// The error a body yields to make hyper abort the connection.
+/// The error a body yields to make hyper abort the connection (a fault's, or a stream
+/// the engine cuts off as vLLM's server does).
 #[derive(Debug, Error)]
-#[error("connection dropped by fault injection")]
+#[error("connection dropped mid-body")]
 pub(crate) struct FaultAbort;
 
 /// The body of every response of the engine.
@@ -56,9 +58,16 @@ pub(crate) enum SimBody {
 /// The work a [`SimBody::Deferred`] waits for.
 pub(crate) type Work = Pin<Box<dyn Future<Output = SimBody> + Send>>;
 
-/// A [`SimBody::Deferred`]: its work until done, then the body the work made. Dropped
-/// with the body (the client left), the work is dropped where it stands.
-pub(crate) enum Deferred {
+/// A [`SimBody::Deferred`]: the events its stream opens with whatever the work makes
+/// (sent at once), and its work until done, then the body the work made. Dropped with
+/// the body (the client left), the work is dropped where it stands.
+pub(crate) struct Deferred {
+    /// Sent first, while the work goes on.
+    opening: VecDeque<Bytes>,
+    state: DeferredState,
+}
+
+enum DeferredState {
     /// Not done yet.
     Working(Work),
     /// Done: the body it made.
@@ -67,27 +76,48 @@ pub(crate) enum Deferred {
 
 impl std::fmt::Debug for Deferred {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Deferred::Working(_) => f.write_str("Working"),
-            Deferred::Done(body) => f.debug_tuple("Done").field(body).finish(),
-        }
+        let mut out = f.debug_struct("Deferred");
+        out.field("opening", &self.opening.len());
+        match &self.state {
+            DeferredState::Working(_) => out.field("state", &"Working"),
+            DeferredState::Done(body) => out.field("state", body),
+        };
+        out.finish()
     }
 }
 
 impl Deferred {
+    /// `opening`, then the body `work` makes.
+    pub(crate) fn new(opening: VecDeque<Bytes>, work: Work) -> Self {
+        Deferred {
+            opening,
+            state: DeferredState::Working(work),
+        }
+    }
+
     fn poll_frame(
         &mut self,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, FaultAbort>>> {
-        if let Deferred::Working(work) = self {
-            match work.as_mut().poll(cx) {
-                Poll::Ready(body) => *self = Deferred::Done(body),
-                Poll::Pending => return Poll::Pending,
-            }
+        // The work goes on while the opening events are sent.
+        if let DeferredState::Working(work) = &mut self.state
+            && let Poll::Ready(body) = work.as_mut().poll(cx)
+        {
+            self.state = DeferredState::Done(body);
         }
-        match self {
-            Deferred::Done(body) => Pin::new(body).poll_frame(cx),
-            Deferred::Working(_) => Poll::Pending,
+        if let Some(event) = self.opening.pop_front() {
+            return Poll::Ready(Some(Ok(Frame::data(event))));
+        }
+        match &mut self.state {
+            DeferredState::Done(body) => Pin::new(body).poll_frame(cx),
+            DeferredState::Working(_) => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.state {
+            DeferredState::Done(body) => self.opening.is_empty() && body.is_end_stream(),
+            DeferredState::Working(_) => false,
         }
     }
 }
@@ -104,6 +134,16 @@ impl SimBody {
         SimBody::Full {
             data: None,
             guard: None,
+        }
+    }
+
+    /// The same body without its first `n` events, sent already (a
+    /// [`SimBody::Deferred`]'s opening): only an [`EventsBody`] of events rendered up
+    /// front has any to skip.
+    pub(crate) fn skipping_events(self, n: usize) -> Self {
+        match self {
+            SimBody::Events(events) if n > 0 => SimBody::Events(Box::new(events.skipping(n))),
+            body => body,
         }
     }
 }
@@ -156,11 +196,9 @@ impl Body for SimBody {
             SimBody::Full { data, .. } => data.is_none(),
             SimBody::Truncated { .. } | SimBody::Stalled { .. } => false,
             SimBody::Sse(sse) => sse.finished,
-            SimBody::Events(events) => events.events.is_empty(),
-            SimBody::Deferred(deferred) => match &**deferred {
-                Deferred::Working(_) => false,
-                Deferred::Done(body) => body.is_end_stream(),
-            },
+            // A stream cut off at its end is not over when its events are.
+            SimBody::Events(events) => events.events.is_empty() && !events.abort_at_end,
+            SimBody::Deferred(deferred) => deferred.is_end_stream(),
         }
     }
 
@@ -594,6 +632,8 @@ pub(crate) struct EventsBody {
     stall_after: Option<usize>,
     /// After this many events, abort the connection ([`crate::Faults::drop_after_chunks`]).
     drop_after: Option<usize>,
+    /// After the last event, abort the connection: the stream is cut off, not ended.
+    abort_at_end: bool,
     /// The events before the abort were handed to hyper to flush.
     flushed: bool,
     guard: Option<RequestGuard>,
@@ -613,9 +653,30 @@ impl EventsBody {
             emitted: 0,
             stall_after,
             drop_after: None,
+            abort_at_end: false,
             flushed: false,
             guard: Some(guard),
         }
+    }
+
+    /// The same body, cutting the connection off after its last event, as a server
+    /// whose stream raised after its head does (uvicorn closes the connection): the
+    /// client sees the body unfinished.
+    pub(crate) fn aborting_at_end(mut self) -> Self {
+        self.abort_at_end = true;
+        self
+    }
+
+    /// The same body without its first `n` events (sent already); the stall and drop
+    /// faults count the events skipped as sent.
+    fn skipping(mut self, n: usize) -> Self {
+        if let Events::Ready(events) = &mut self.events {
+            let n = n.min(events.len());
+            events.drain(..n);
+            self.stall_after = self.stall_after.map(|s| s.saturating_sub(n));
+            self.drop_after = self.drop_after.map(|d| d.saturating_sub(n));
+        }
+        self
     }
 
     /// The bytes held for frames not sent yet.
@@ -637,6 +698,13 @@ impl EventsBody {
         if self.events.is_empty() {
             if let Some(mut g) = self.guard.take() {
                 g.complete();
+            }
+            if self.abort_at_end {
+                if !self.flushed {
+                    self.flushed = true;
+                    return yield_once(cx);
+                }
+                return Poll::Ready(Some(Err(FaultAbort)));
             }
             return Poll::Ready(None);
         }

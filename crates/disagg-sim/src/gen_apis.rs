@@ -11,8 +11,8 @@
 //! | route | request model | answer |
 //! |---|---|---|
 //! | `POST /v1/messages` (vLLM `vllm/entrypoints/anthropic/`) | `model`, `messages`, `max_tokens` (required, above 0), `system`, `stop_sequences`, `stream`, `temperature`, `thinking` (`budget_tokens` below `max_tokens` unless `kv_transfer_params.do_remote_decode`), `kv_transfer_params`; served as chat (`image` blocks as `image_url` parts of the URL vLLM builds from their `source`) | `{"id", "type": "message", "role", "model", "content": [{"type": "text", "text"}], "stop_reason", "stop_sequence", "usage", "kv_transfer_params"?}` (no key without a handoff); streamed, `event:`/`data:` pairs `message_start`, `content_block_start`, a `content_block_delta` per token, `content_block_stop`, `message_delta`, `message_stop`, no handoff; errors `{"type": "error", "error": {"type", "message"}}`, `type` by status, but a body the request model refuses gets OpenAI's shape |
-//! | `POST /v1/responses` (vLLM `vllm/entrypoints/openai/responses/`) | `input` (required), `instructions`, `max_output_tokens`, `stream`, `kv_transfer_params` (see `surface.rs`); served as the completion of the instructions and input | the Responses object (`surface.rs`), the handoff top-level in a whole answer and in the terminal event's `response` of a stream (new in 0.33) |
-//! | `POST /cohere/v2/chat` (vLLM `vllm/entrypoints/cohere/`) | `messages` (required), `max_tokens` (nullable), `stop_sequences`, `stream`, `temperature`, `kv_transfer_params`; served as chat | `{"id", "finish_reason" (`MAX_TOKENS`, `COMPLETE`, `STOP_SEQUENCE`), "message": {"role", "content": [{"type": "text", "text"}]}, "usage", "kv_transfer_params"?}`; streamed, bare `data:` events `message-start`, `content-start`, a `content-delta` per token, `content-end`, `message-end`, then `data: [DONE]`, no handoff; errors `{"message", "id"}`, but a body the request model refuses gets OpenAI's shape |
+//! | `POST /v1/responses` (vLLM `vllm/entrypoints/openai/responses/`) | `input` (required), `instructions`, `max_output_tokens`, `stream`, `kv_transfer_params` (see `surface.rs`); served as the completion of the instructions and input | the Responses object (`surface.rs`), the handoff top-level in a whole answer and in the terminal event's `response` of a stream (new in 0.33); a stream's `response.created` and `response.in_progress` go out with a KV-fetching decode's head, and a failed KV load then cuts the connection off (`kv_load_failure.rs`) |
+//! | `POST /cohere/v2/chat` (vLLM `vllm/entrypoints/cohere/`) | `messages` (required), `max_tokens` (nullable), `stop_sequences`, `stream`, `temperature`, `kv_transfer_params`; served as chat | `{"id", "finish_reason" (`MAX_TOKENS`, `COMPLETE`, `STOP_SEQUENCE`), "message": {"role", "content": [{"type": "text", "text"}]}, "usage", "kv_transfer_params"?}`; streamed, bare `data:` events `message-start`, `content-start`, a `content-delta` per token, `content-end`, `message-end`, then `data: [DONE]`, no handoff (a failed KV load: `message-start`, `message-end` with `delta.error` and `finish_reason` `ERROR`, `[DONE]`: `kv_load_failure.rs`); errors `{"message", "id"}`, but a body the request model refuses gets OpenAI's shape |
 //! | `POST /inference/v1/generate` (vLLM `vllm/entrypoints/scale_out/token_in_token_out/`) | `token_ids` (required), `sampling_params` (required; `max_tokens` defaults to 16), `stream`, `stream_options`, `kv_transfer_params` | `{"request_id", "choices": [{"index", "logprobs", "finish_reason", "token_ids", "routed_experts"}], "prompt_logprobs", "kv_transfer_params"}`; streamed, one `data:` chunk per token with that token's id (`finish_reason` on the last), then `data: [DONE]`, no handoff |
 
 use std::collections::VecDeque;
@@ -340,14 +340,11 @@ impl Answer<'_> {
     fn responses_answer(&self) -> Option<crate::surface::Responses<'_>> {
         let (request, max_tokens) = self.responses?;
         let generation = self.first()?.clone();
-        let created = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
         let answer = crate::surface::Responses::of(
             request,
             self.model,
             self.request_id,
-            created,
+            request.created,
             generation,
             max_tokens,
         );
@@ -610,6 +607,80 @@ pub(crate) fn failed_messages_events(
     ])
 }
 
+/// The events vLLM 0.33 writes of `request`'s stream before the engine's first output,
+/// whatever that output is: a streamed `/v1/responses` request's `response.created` and
+/// `response.in_progress` (`responses_stream_generator` yields both first), nothing for
+/// the other routes, whose first event is made of the first output. `model` is the
+/// model the answer names, `request_id` the engine's request id.
+pub(crate) fn opening_events(
+    request: &CompletionRequest,
+    model: &str,
+    request_id: &str,
+) -> VecDeque<Bytes> {
+    let Some(read) = request.responses.as_deref().filter(|r| r.stream) else {
+        return VecDeque::new();
+    };
+    let no_tokens = crate::kv_load_failure::no_tokens();
+    let answer = crate::surface::Responses::of(
+        read,
+        model,
+        request_id,
+        read.created,
+        no_tokens,
+        request.max_tokens,
+    );
+    answer.opening().unwrap_or_else(|e| {
+        // Writing a built JSON value does not fail; should it, the stream opens with
+        // the answer's own events, after the work.
+        tracing::error!(error = %e, "cannot render a Responses stream's opening events");
+        VecDeque::new()
+    })
+}
+
+/// The events of a streamed `/cohere/v2/chat` request whose chat generator yielded
+/// `error` after its role chunk (a failed KV load: [`crate::kv_load_failure`]), as
+/// vLLM 0.33's `_chat_completion_stream_to_v2` (`vllm/entrypoints/cohere/serving.py`)
+/// writes them: the role chunk's `message-start` (the SDK event's
+/// `model_dump_json(exclude_none=True)`: its own fields, then the `type` vLLM's subclass
+/// declares), then, the error payload having failed its chunk validation, the `except`'s
+/// `message-end` written by `json.dumps` (its spacing, non-ASCII escaped) with the error
+/// as `delta.error` and `finish_reason` `ERROR`, then `data: [DONE]`. vLLM's
+/// `delta.error` is pydantic's validation error for the error payload; the simulator's
+/// is the error's own message. `request_id` is the engine's request id.
+pub(crate) fn failed_cohere_events(request_id: &str, error: &ApiError) -> VecDeque<Bytes> {
+    let id = Value::from(format!("chatcmpl-{request_id}"));
+    let start = format!(
+        r#"{{"id":{id},"delta":{{"message":{{"role":"assistant"}}}},"type":"message-start"}}"#
+    );
+    let end = format!(
+        r#"{{"type": "message-end", "delta": {{"error": {}, "finish_reason": "ERROR"}}}}"#,
+        python_json_str(&error.message)
+    );
+    VecDeque::from([
+        Bytes::from(format!("data: {start}\n\n")),
+        Bytes::from(format!("data: {end}\n\n")),
+        Bytes::from_static(b"data: [DONE]\n\n"),
+    ])
+}
+
+/// `s` as Python's `json.dumps` writes a string: JSON's escapes, and every character
+/// outside printable ASCII as `\uXXXX` (UTF-16 units, lowercase hex: `ensure_ascii`).
+fn python_json_str(s: &str) -> String {
+    let json = Value::from(s).to_string();
+    let mut out = String::with_capacity(json.len());
+    for c in json.chars() {
+        if c.is_ascii() && c != '\u{7f}' {
+            out.push(c);
+        } else {
+            let mut units = [0u16; 2];
+            for unit in c.encode_utf16(&mut units) {
+                out.push_str(&format!("\\u{unit:04x}"));
+            }
+        }
+    }
+    out
+}
+
 /// One `event:`/`data:` pair of a built JSON value (whose writing cannot fail).
 fn value_event(name: &str, value: &Value) -> Bytes {
     Bytes::from(format!("event: {name}\ndata: {value}\n\n"))
@@ -629,4 +700,32 @@ fn data(value: &Value) -> Result<Bytes, serde_json::Error> {
     serde_json::to_writer(&mut out, value)?;
     out.extend_from_slice(b"\n\n");
     Ok(Bytes::from(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The Cohere failure's `message-end` as Python's `json.dumps` writes it (the
+    /// expected text is `json.dumps` output, non-ASCII, DEL and control characters
+    /// escaped).
+    #[test]
+    fn a_cohere_message_end_is_written_as_json_dumps_writes_it() {
+        let error = ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "KV \u{e9}\u{1f600}\u{7f}\"\\\n\u{1} /",
+        );
+        let events = failed_cohere_events("r-1", &error);
+        assert_eq!(
+            events[1],
+            r#"data: {"type": "message-end", "delta": {"error": "KV \u00e9\ud83d\ude00\u007f\"\\\n\u0001 /", "finish_reason": "ERROR"}}"#
+                .to_owned()
+                + "\n\n"
+        );
+        assert_eq!(
+            events[0],
+            "data: {\"id\":\"chatcmpl-r-1\",\"delta\":{\"message\":{\"role\":\"assistant\"}},\"type\":\"message-start\"}\n\n"
+        );
+        assert_eq!(events[2], "data: [DONE]\n\n");
+    }
 }

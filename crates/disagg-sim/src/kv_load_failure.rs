@@ -33,28 +33,57 @@
 //!   `{"type":"error","error":{"type","message"}}`, typed after its status
 //!   (`translate_error_type` in `anthropic/protocol.py`: 500 is `api_error`). No content
 //!   block was opened, and nothing follows: no `message_stop`, no `[DONE]`.
+//! * **Cohere** (`/cohere/v2/chat`, `vllm/entrypoints/cohere/serving.py`
+//!   `_chat_completion_stream_to_v2`): the route converts the chat generator's chunks
+//!   into bare `data:` events (no `event:` field). The role chunk becomes
+//!   `message-start`, `{"id":"chatcmpl-…","delta":{"message":{"role":"assistant"}},
+//!   "type":"message-start"}` (pydantic's `model_dump_json(exclude_none=True)` of vLLM's
+//!   `MessageStartEvent`, `cohere/protocol.py`: the Cohere SDK's `ChatMessageStartEvent`
+//!   fields `id` and `delta` first, then the `type` vLLM's subclass adds). The
+//!   generator's error event then fails the converter's
+//!   `ChatCompletionStreamResponse.model_validate_json`, and its `except` writes
+//!   `{"type": "message-end", "delta": {"error": "…", "finish_reason": "ERROR"}}` with
+//!   `json.dumps` (its spacing; non-ASCII escaped), then `data: [DONE]`. vLLM's
+//!   `delta.error` is pydantic's validation error for the error payload (through
+//!   `sanitize_message`); the simulator's is its own message of the failed load, as
+//!   below.
+//! * **Responses** (`/v1/responses`, `vllm/entrypoints/openai/responses/serving.py`
+//!   `responses_stream_generator`): `response.created` and `response.in_progress` (the
+//!   response `in_progress`, no output, `sequence_number` 0 and 1) are yielded before
+//!   the engine's first output, so they go out with the head, before the load is tried.
+//!   The failed output's `_raise_if_error` (in `_process_simple_streaming_events`)
+//!   raises the `GenerationError`, whose handler validates the error payload
+//!   (`_convert_generation_error_to_streaming_response`) as a
+//!   `StreamingResponsesResponse`: that union of event types has no member for
+//!   `{"error": {...}}`, so a pydantic `ValidationError` leaves the generator and the
+//!   route's `_convert_stream_to_sse_events` (`responses/api_router.py`, which catches
+//!   nothing). Starlette's response had started: uvicorn closes the connection. The
+//!   client sees the two events, then the connection cut off, the chunked body
+//!   unfinished: no error event, no `response.failed`, no `[DONE]`. The simulator cuts
+//!   its connection likewise.
 //!
 //! The same holds whatever connector failed the load: NIXL (pull or push), Mooncake,
 //! and LMCache, whose vLLM connector forwards its engine's
 //! `get_block_ids_with_load_errors` (KV received on some ranks only is such a load
 //! error here). The error's message is the simulator's (`"KV transfer failed: ..."` or
 //! LMCache's `"KV cache for this request has not arrived (...)"`, saying why); vLLM's
-//! says `"Internal server error"`.
+//! says `"Internal server error"` (and a Responses stream writes none).
 //!
-//! The head comes first as vLLM's does: a streamed chat, completions or `/v1/messages`
-//! request that a vLLM decode may fetch KV for gets its 200 head once its request was
-//! read and checked, and the KV's wait is its body's ([`head_first`]): the stream of a
-//! served answer, or the failure's above, follows when the fetch ends (a peer that never answers: after
-//! [`crate::SimConfig::bootstrap_timeout`]). Those are the requests to a NIXL pull
-//! decode with `do_remote_prefill` and block ids (one whose handoff a fault loses, then
-//! prefilled here, included), to a NIXL push decode whose parameters name its prefill,
-//! to a Mooncake decode naming a transfer, those that wait for KV nobody sends
-//! (invalid parameters, NIXL or Mooncake), and every request to an LMCache decode (one
-//! LMCache finds no KV for, then prefilled here, included). A request refused before vLLM
-//! returns its generator (a bad field, an unknown data-parallel rank, a fault's status)
-//! is still refused in its head. A client that leaves meanwhile drops the fetch, and the
-//! request counts as cancelled (a NIXL decode tells its prefill to free the blocks, as
-//! on any abort before the pull ended).
+//! The head comes first as vLLM's does: a streamed chat, completions, `/v1/messages`,
+//! `/cohere/v2/chat` or `/v1/responses` request that a vLLM decode may fetch KV for gets
+//! its 200 head once its request was read and checked (a Responses request's two
+//! opening events with it), and the KV's wait is its body's ([`head_first`]): the
+//! stream of a served answer, or the failure's above, follows when the fetch ends (a
+//! peer that never answers: after [`crate::SimConfig::bootstrap_timeout`]). Those are
+//! the requests to a NIXL pull decode with `do_remote_prefill` and block ids (one whose
+//! handoff a fault loses, then prefilled here, included), to a NIXL push decode whose
+//! parameters name its prefill, to a Mooncake decode naming a transfer, those that
+//! wait for KV nobody sends (invalid parameters, NIXL or Mooncake), and every request
+//! to an LMCache decode (one LMCache finds no KV for, then prefilled here, included). A
+//! request refused before vLLM returns its generator (a bad field, an unknown
+//! data-parallel rank, a fault's status) is still refused in its head. A client that
+//! leaves meanwhile drops the fetch, and the request counts as cancelled (a NIXL decode
+//! tells its prefill to free the blocks, as on any abort before the pull ended).
 //!
 //! Not modelled:
 //!
@@ -71,11 +100,11 @@
 //!   parameters are invalid and so prefills here): vLLM sends it at once too, the
 //!   simulator only after the request's queueing ([`crate::SimConfig::max_num_seqs`],
 //!   [`crate::SimConfig::request_delay`]) and local prefill;
-//! * the other generation routes (`/v1/responses`, `/cohere/v2/chat`,
-//!   `/inference/v1/generate`): refused in their head, as before the engine was asked.
-//!   (vLLM 0.33's Cohere route streams `message-start`, then `message-end` with
-//!   `delta.error` and `finish_reason` `ERROR`, then `data: [DONE]`:
-//!   `vllm/entrypoints/cohere/serving.py` `_chat_completion_stream_to_v2`);
+//! * `/inference/v1/generate` (vLLM's token-in route): refused in its head, as before
+//!   the engine was asked;
+//! * a served Cohere stream's `message-start`: the simulator's has
+//!   `"content": []` and its keys sorted; vLLM's is the failure's above, on every
+//!   stream;
 //! * a Messages stream's `message_start`: vLLM's id is the chat chunk's
 //!   (`chatcmpl-…`), the simulator's `msg_…`; vLLM writes it without the defaults
 //!   `"type": "message"` and `"role": "assistant"` (`exclude_unset`) and with `type`
@@ -89,6 +118,9 @@
 //!   when the prompt's logprobs are missing); the simulator streams the load's error
 //!   event as for `echo` alone.
 
+use std::collections::VecDeque;
+
+use bytes::Bytes;
 use http::Response;
 use http::header::{CONTENT_TYPE, HeaderValue};
 use serde_json::Value;
@@ -116,10 +148,11 @@ pub(crate) struct StreamIds<'a> {
 }
 
 /// Whether a request whose KV load failed is answered with a stream
-/// ([`stream`]): a streamed chat, completions or `/v1/messages` request to a vLLM
-/// engine. Such a request's head goes out before its KV is loaded ([`head_first`]).
+/// ([`stream`]): a streamed chat, completions, `/v1/messages`, `/cohere/v2/chat` or
+/// `/v1/responses` request to a vLLM engine. Such a request's head goes out before its
+/// KV is loaded ([`head_first`]).
 pub(crate) fn streamed(mode: KvMode, request: &CompletionRequest) -> bool {
-    let api = matches!(request.gen_api, None | Some(GenApi::Messages));
+    let api = !matches!(request.gen_api, Some(GenApi::TokenIn));
     mode.is_vllm() && request.stream && api && request.native.is_none()
 }
 
@@ -140,16 +173,23 @@ pub(crate) fn answer(
     }
 }
 
-/// The streamed answer of a vLLM chat, completions or `/v1/messages` request whose KV
-/// load failed with `error`: a 200 head, then what the module's documentation says.
+/// The streamed answer of a [`streamed`] request whose KV load failed with `error`: a
+/// 200 head, then what the module's documentation says.
 pub(crate) fn stream(
     request: &CompletionRequest,
     error: &ApiError,
     ids: StreamIds<'_>,
     guard: RequestGuard,
 ) -> Response<SimBody> {
-    if request.gen_api == Some(GenApi::Messages) {
-        return messages_stream(request, error, ids, guard);
+    match request.gen_api {
+        Some(GenApi::Messages) => return messages_stream(request, error, ids, guard),
+        Some(GenApi::Cohere) => {
+            let events = crate::gen_apis::failed_cohere_events(&ids.request_id, error);
+            let body = EventsBody::new(events, std::time::Duration::ZERO, None, guard);
+            return sse_response(SimBody::Events(Box::new(body)), ids.header_id);
+        }
+        Some(GenApi::Responses) => return responses_stream(request, ids, guard),
+        None | Some(GenApi::TokenIn) => {}
     }
     let chat = request.endpoint == Endpoint::Chat;
     // Chat has one prompt: its `n` choices get their role chunks.
@@ -219,18 +259,39 @@ fn messages_stream(
     sse_response(SimBody::Events(Box::new(body)), ids.header_id)
 }
 
+/// The streamed answer of a `/v1/responses` request whose KV load failed: the events
+/// vLLM's generator yielded before the engine's first output
+/// ([`crate::gen_apis::opening_events`]), then the connection cut off, the body
+/// unfinished (what the module's documentation says).
+fn responses_stream(
+    request: &CompletionRequest,
+    ids: StreamIds<'_>,
+    guard: RequestGuard,
+) -> Response<SimBody> {
+    let model = serde_json::from_str::<String>(&ids.model_json).unwrap_or_default();
+    let events = crate::gen_apis::opening_events(request, &model, &ids.request_id);
+    let body = EventsBody::new(events, std::time::Duration::ZERO, None, guard).aborting_at_end();
+    sse_response(SimBody::Events(Box::new(body)), ids.header_id)
+}
+
 /// The answer of a [`streamed`] request that may fetch KV (which ones: the module's
-/// documentation): the 200 `text/event-stream` head at once, then the body `work` makes
-/// (the KV's wait, and the answer or the failure's [`stream`]). vLLM 0.33 returns such
-/// a request's stream generator before the engine tried the load, and Starlette's
-/// `StreamingResponse` sends its head then. A client leaving meanwhile drops `work`
-/// where it stands, as vLLM aborts the request.
+/// documentation): the 200 `text/event-stream` head at once, with the events its stream
+/// opens with whatever its engine outputs (`opening`:
+/// [`crate::gen_apis::opening_events`]), then the body `work` makes (the KV's wait, and
+/// the answer or the failure's [`stream`]) less those events. vLLM 0.33 returns such a
+/// request's stream generator before the engine tried the load, and Starlette's
+/// `StreamingResponse` sends its head then, and each event the generator yields before
+/// it awaits the engine. A client leaving meanwhile drops `work` where it stands, as
+/// vLLM aborts the request.
 pub(crate) fn head_first(
+    opening: VecDeque<Bytes>,
     work: impl Future<Output = SimBody> + Send + 'static,
     header_id: Option<&str>,
 ) -> Response<SimBody> {
-    let work = crate::body::Deferred::Working(Box::pin(work));
-    sse_response(SimBody::Deferred(Box::new(work)), header_id)
+    let sent = opening.len();
+    let work = async move { work.await.skipping_events(sent) };
+    let deferred = crate::body::Deferred::new(opening, Box::pin(work));
+    sse_response(SimBody::Deferred(Box::new(deferred)), header_id)
 }
 
 /// A 200 `text/event-stream` answer with `body`, echoing the request's `X-Request-Id`.
@@ -248,7 +309,7 @@ pub(crate) fn sse_response(body: SimBody, header_id: Option<&str>) -> Response<S
 }
 
 /// A choice that generated nothing.
-fn no_tokens() -> Generation {
+pub(crate) fn no_tokens() -> Generation {
     Generation {
         steps: Vec::new(),
         ids: Vec::new(),

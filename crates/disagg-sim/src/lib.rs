@@ -273,18 +273,22 @@
 //! `data: [DONE]` (with `echo`, the error event then `data: [DONE]`; with
 //! `"max_tokens": null`, whose assertion vLLM's generator makes first, that error's
 //! event then `data: [DONE]`, no usage chunk). vLLM's
-//! message is `"Internal server error"`; the simulator's says why. An SGLang decode,
-//! and a decode on another of vLLM's generation routes (`/v1/responses`,
-//! `/v1/messages`, ...: their streams' failure is not modelled), answer the 500
-//! before any response head. As vLLM's, the 200 head of a streamed chat or
-//! completions decode that may fetch KV (a NIXL pull or push decode, a Mooncake decode
-//! named a transfer, and any LMCache decode, one that then prefills itself included)
-//! goes out before the fetch is tried, once the request was read and checked (a bad
-//! field is still refused in its head): the fetch's wait is the body's, and its outcome
-//! (the answer, or the failure's stream) follows in it; a client that leaves meanwhile
-//! drops the fetch. Not modelled: the chunks vLLM writes after the role chunks for a
-//! chat's `echo`; and what completions' `echo` with `logprobs` makes of the failed
-//! output (the simulator sends the error event as for `echo` alone).
+//! message is `"Internal server error"`; the simulator's says why. Streamed, a
+//! `/v1/messages` or `/cohere/v2/chat` decode ends with its route's error event, and a
+//! `/v1/responses` one is cut off after its opening events, as vLLM's converters of
+//! those routes make them (the `kv_load_failure` module's facts in the source). An
+//! SGLang decode, and a decode on vLLM's `/inference/v1/generate` (its stream's
+//! failure is not modelled), answer the 500 before any response head. As vLLM's, the
+//! 200 head of a streamed vLLM decode on any other of these routes that may fetch KV (a
+//! NIXL pull or push decode, a Mooncake decode named a transfer, and any LMCache
+//! decode, one that then prefills itself included) goes out before the fetch is tried,
+//! once the request was read and checked (a bad field is still refused in its head), a
+//! Responses stream's `response.created` and `response.in_progress` with it: the
+//! fetch's wait is the body's, and its outcome (the answer, or the failure's stream)
+//! follows in it; a client that leaves meanwhile drops the fetch. Not modelled: the
+//! chunks vLLM writes after the role chunks for a chat's `echo`; and what completions'
+//! `echo` with `logprobs` makes of the failed output (the simulator sends the error
+//! event as for `echo` alone).
 //!
 //! ## vLLM NIXL ([`KvMode::Nixl`], the default): sequential
 //!

@@ -2258,7 +2258,7 @@ type NixlPull = Option<Result<kv::PullTarget, KvTransferError>>;
 
 /// Serves a completion request ([`serve_completion`]), after what its plan decides before
 /// any work: a NIXL pull decode's engine core dying, the release notices armed. A
-/// streamed vLLM chat, completions or `/v1/messages` decode whose plan may fetch KV (a
+/// streamed vLLM decode ([`crate::kv_load_failure::streamed`]) whose plan may fetch KV (a
 /// NIXL pull or push, a Mooncake transfer, any LMCache decode) or waits for KV nobody
 /// sends gets its head at once and is served in its body, as vLLM's
 /// ([`crate::kv_load_failure::head_first`]).
@@ -2315,6 +2315,8 @@ async fn serve_or_defer(
         return serve_completion(inner, &request, plan, pull, ids, rank, faults, guard).await;
     }
     let head_id = header_id.clone();
+    let model = request.adapter.as_deref().unwrap_or(&config.model);
+    let opening = crate::gen_apis::opening_events(&request, model, &request_id);
     let inner = inner.clone();
     let work = async move {
         let ids = (request_id.as_str(), header_id.as_deref());
@@ -2343,7 +2345,11 @@ async fn serve_or_defer(
             }
         }
     };
-    Ok(crate::kv_load_failure::head_first(work, head_id.as_deref()))
+    Ok(crate::kv_load_failure::head_first(
+        opening,
+        work,
+        head_id.as_deref(),
+    ))
 }
 
 /// Prefills (locally or from remote KV), generates and renders the answer. `nixl_pull`:

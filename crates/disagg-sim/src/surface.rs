@@ -263,6 +263,9 @@ pub(crate) struct ResponsesRequest {
     pub(crate) stream: bool,
     instructions: Value,
     pub(crate) max_output_tokens: Option<u32>,
+    /// When the request was read (Unix seconds): every response object of its answer
+    /// says it as `created_at`, as vLLM's one `created_time` of the request.
+    pub(crate) created: u64,
 }
 
 /// Reads a `POST /v1/responses` body: `input` (a string, or messages whose `content`
@@ -320,6 +323,9 @@ pub(crate) fn responses_request(
         stream: lax::opt_bool(obj, "stream")?.unwrap_or(false),
         instructions: obj.get("instructions").cloned().unwrap_or(Value::Null),
         max_output_tokens,
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
     })
 }
 
@@ -444,17 +450,30 @@ impl<'a> Responses<'a> {
         serde_json::to_vec(&self.response(true))
     }
 
+    /// The events vLLM's `responses_stream_generator` yields before the engine's first
+    /// output: `response.created` and `response.in_progress`, the response in progress.
+    fn opening_list(&self) -> Vec<Value> {
+        vec![
+            json!({"type": "response.created", "response": self.response(false)}),
+            json!({"type": "response.in_progress", "response": self.response(false)}),
+        ]
+    }
+
+    /// The stream's opening events ([`Self::events`]' first two), as written.
+    pub(crate) fn opening(&self) -> Result<VecDeque<Bytes>, serde_json::Error> {
+        render_events(self.opening_list())
+    }
+
     /// The streamed answer, the event sequence vLLM emits for a plain text answer
     /// (`serving.py` `responses_stream_generator`, `streaming_events.py`): `event:
     /// TYPE` then `data: {...}`, numbered by `sequence_number`.
     pub(crate) fn events(&self) -> Result<VecDeque<Bytes>, serde_json::Error> {
         let item = &self.item_id;
-        let mut list = vec![
-            json!({"type": "response.created", "response": self.response(false)}),
-            json!({"type": "response.in_progress", "response": self.response(false)}),
+        let mut list = self.opening_list();
+        list.extend([
             json!({"type": "response.output_item.added", "output_index": 0, "item": self.message("in_progress", Vec::new())}),
             json!({"type": "response.content_part.added", "output_index": 0, "item_id": item, "content_index": 0, "part": Self::text_part("")}),
-        ];
+        ]);
         for step in &self.generation.steps {
             list.push(json!({"type": "response.output_text.delta", "content_index": 0, "output_index": 0, "item_id": item, "delta": step, "logprobs": []}));
         }
@@ -470,17 +489,23 @@ impl<'a> Responses<'a> {
             "response.completed"
         };
         list.push(json!({"type": last, "response": done}));
-        let mut out = VecDeque::with_capacity(list.len());
-        for (seq, mut ev) in list.into_iter().enumerate() {
-            ev["sequence_number"] = json!(seq);
-            let kind = ev["type"].as_str().unwrap_or("unknown").to_owned();
-            let mut bytes = format!("event: {kind}\ndata: ").into_bytes();
-            serde_json::to_writer(&mut bytes, &ev)?;
-            bytes.extend_from_slice(b"\n\n");
-            out.push_back(Bytes::from(bytes));
-        }
-        Ok(out)
+        render_events(list)
     }
+}
+
+/// A Responses stream's events as written: each numbered by its place
+/// (`sequence_number`), `event: TYPE` then `data: {...}`.
+fn render_events(list: Vec<Value>) -> Result<VecDeque<Bytes>, serde_json::Error> {
+    let mut out = VecDeque::with_capacity(list.len());
+    for (seq, mut ev) in list.into_iter().enumerate() {
+        ev["sequence_number"] = json!(seq);
+        let kind = ev["type"].as_str().unwrap_or("unknown").to_owned();
+        let mut bytes = format!("event: {kind}\ndata: ").into_bytes();
+        serde_json::to_writer(&mut bytes, &ev)?;
+        bytes.extend_from_slice(b"\n\n");
+        out.push_back(Bytes::from(bytes));
+    }
+    Ok(out)
 }
 
 /// What a LoRA admin route answers: 200 with vLLM's text, or an error.

@@ -593,3 +593,287 @@ async fn a_streamed_decode_refused_before_its_work_is_refused_in_its_head() {
     let s = wait_for(&push, |s| s.active_requests == 0).await;
     assert_eq!((s.engine_core_deaths, s.kv_pull_failures), (1, 0));
 }
+
+const COHERE: &str = "/cohere/v2/chat";
+const RESPONSES: &str = "/v1/responses";
+
+fn cohere_body(params: Value) -> Value {
+    json!({"model": "sim-model", "messages": [{"role": "user", "content": PROMPT}],
+           "max_tokens": 5, "stream": true, "kv_transfer_params": params})
+}
+
+fn responses_body(params: Value) -> Value {
+    json!({"model": "sim-model", "input": PROMPT, "max_output_tokens": 5, "stream": true,
+           "kv_transfer_params": params})
+}
+
+/// A stream's frames (the text between blank lines).
+fn frames(text: &str) -> Vec<&str> {
+    text.split("\n\n").filter(|f| !f.is_empty()).collect()
+}
+
+/// The `event:` name and `data:` payload of each frame of a Responses stream, without
+/// the response's `created_at` (a clock's second), which `created_at` returns.
+fn responses_events(text: &str) -> (Vec<(String, Value)>, Vec<Value>) {
+    assert!(text.ends_with("\n\n"), "{text:?}");
+    let mut created = Vec::new();
+    let events = frames(text)
+        .into_iter()
+        .map(|frame| {
+            let (name, data) = frame.split_once('\n').unwrap();
+            let name = name.strip_prefix("event: ").unwrap();
+            let mut data: Value = serde_json::from_str(data.strip_prefix("data: ").unwrap())
+                .unwrap_or_else(|e| panic!("{e}: {frame:?}"));
+            assert_eq!(data["type"], name, "{frame}");
+            if let Some(response) = data.get_mut("response").and_then(Value::as_object_mut) {
+                created.extend(response.remove("created_at"));
+            }
+            (name.to_owned(), data)
+        })
+        .collect();
+    (events, created)
+}
+
+/// Reads `body` until `n` whole events came and returns their text.
+async fn read_events(body: &mut hyper::body::Incoming, n: usize) -> String {
+    use http_body_util::BodyExt;
+    let mut text = String::new();
+    while text.matches("\n\n").count() < n {
+        let frame = tokio::time::timeout(HEAD_BOUND, body.frame())
+            .await
+            .unwrap_or_else(|_| panic!("no event after {text:?}"))
+            .unwrap_or_else(|| panic!("the body ended after {text:?}"))
+            .unwrap_or_else(|e| panic!("the body failed ({e}) after {text:?}"));
+        if let Ok(data) = frame.into_data() {
+            text.push_str(std::str::from_utf8(&data).unwrap());
+        }
+    }
+    text
+}
+
+/// Reads the rest of `body`: its text, and how it ended (`Err`: cut off).
+async fn read_rest(body: &mut hyper::body::Incoming) -> (String, Result<(), hyper::Error>) {
+    use http_body_util::BodyExt;
+    let mut text = String::new();
+    loop {
+        match body.frame().await {
+            None => return (text, Ok(())),
+            Some(Err(e)) => return (text, Err(e)),
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    text.push_str(std::str::from_utf8(&data).unwrap());
+                }
+            }
+        }
+    }
+}
+
+/// A streamed `/cohere/v2/chat` decode gets its head while its pull waits (vLLM's Cohere
+/// route returns the chat stream generator under its converter); the pull failing after
+/// it ends the stream as vLLM 0.33's `_chat_completion_stream_to_v2` does: the role chunk
+/// made `message-start` (pydantic's `model_dump_json(exclude_none=True)` of the SDK event,
+/// its `type` declared last), the chat generator's error payload then failed the
+/// converter's validation and its `except` wrote `message-end` with `json.dumps`, then
+/// `[DONE]`.
+#[tokio::test]
+async fn a_cohere_decode_whose_pull_fails_after_the_head_ends_with_an_error_message_end() {
+    let (p, d) = pair().await;
+    let (params, gate) = gated_handoff(&p).await;
+    let headers = [("x-request-id", "co-1")];
+    let mut conn = Conn::open(d.addr()).await;
+    let (accepted, head) = tokio::join!(
+        gate.accept(),
+        send_for_head(&mut conn, COHERE, &headers, cohere_body(params))
+    );
+    let (pull, _) = accepted.unwrap();
+    assert_stream_head(&head);
+    assert_eq!(head.headers()["x-request-id"], "co-1");
+    assert_eq!(
+        d.stats().kv_pull_failures,
+        0,
+        "the head came before the pull failed"
+    );
+    drop(pull);
+    let reply = read(head).await;
+    let text = reply.text();
+    let frames = frames(&text);
+    assert_eq!(frames.len(), 3, "{text}");
+    assert_eq!(
+        frames[0],
+        r#"data: {"id":"chatcmpl-co-1","delta":{"message":{"role":"assistant"}},"type":"message-start"}"#
+    );
+    let end = frames[1].strip_prefix("data: ").unwrap();
+    assert!(
+        end.starts_with(r#"{"type": "message-end", "delta": {"error": ""#)
+            && end.ends_with(r#"", "finish_reason": "ERROR"}}"#),
+        "{end}"
+    );
+    let end: Value = serde_json::from_str(end).unwrap();
+    let message = end["delta"]["error"].as_str().unwrap();
+    assert!(message.starts_with("KV transfer failed: "), "{message}");
+    assert_eq!(frames[2], "data: [DONE]");
+    assert_eq!(counted_out(&d).await, [0, 0, 1, 0, 0]);
+}
+
+/// A streamed `/v1/responses` decode gets its head, then `response.created` and
+/// `response.in_progress`, while its pull waits: vLLM 0.33's `responses_stream_generator`
+/// yields both before the engine's first output. The pull failing then cuts the
+/// connection off, the body unfinished: the generator's `GenerationError` handler
+/// validates the error payload against its event union, which has no member for it, and
+/// the `ValidationError` leaves Starlette's stream after the head (uvicorn closes the
+/// connection).
+#[tokio::test]
+async fn a_responses_decode_whose_pull_fails_after_its_opening_events_is_cut_off() {
+    let (p, d) = pair().await;
+    let (params, gate) = gated_handoff(&p).await;
+    let headers = [("x-request-id", "resp-1")];
+    let mut conn = Conn::open(d.addr()).await;
+    let (accepted, head) = tokio::join!(
+        gate.accept(),
+        send_for_head(&mut conn, RESPONSES, &headers, responses_body(params))
+    );
+    let (pull, _) = accepted.unwrap();
+    assert_stream_head(&head);
+    assert_eq!(head.headers()["x-request-id"], "resp-1");
+    let mut body = head.into_body();
+    let opening = read_events(&mut body, 2).await;
+    assert_eq!(
+        d.stats().kv_pull_failures,
+        0,
+        "the opening events came before the pull failed"
+    );
+    let (events, created) = responses_events(&opening);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["response.created", "response.in_progress"]);
+    for (seq, (_, event)) in events.iter().enumerate() {
+        assert_eq!(event["sequence_number"], seq, "{event}");
+        let response = &event["response"];
+        assert_eq!(response["id"], "resp_resp-1", "{event}");
+        assert_eq!(response["status"], "in_progress", "{event}");
+        assert_eq!(response["output"], json!([]), "{event}");
+        assert_eq!(response["usage"], Value::Null, "{event}");
+        assert_eq!(response["max_output_tokens"], 5, "{event}");
+    }
+    assert_eq!(created[0], created[1]);
+
+    drop(pull);
+    let (rest, end) = read_rest(&mut body).await;
+    assert_eq!(rest, "", "nothing follows the opening events");
+    assert!(end.is_err(), "the body ended as if complete: {end:?}");
+    assert_eq!(counted_out(&d).await, [0, 0, 1, 0, 0]);
+}
+
+/// Let through, a streamed Cohere decode's pull completes and its stream is the one an
+/// ungated decode streams.
+#[tokio::test]
+async fn a_streamed_cohere_decode_gets_its_head_while_its_pull_waits() {
+    let (p, d) = pair().await;
+    let leg = json!({"model": "sim-model", "messages": [{"role": "user", "content": PROMPT}],
+                     "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}});
+    let mut gated = prefill(&p, &[], CHAT, leg.clone()).await;
+    let direct = prefill(&p, &[], CHAT, leg).await;
+    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    gated["remote_port"] = json!(gate.local_addr().unwrap().port());
+
+    let headers = [("x-request-id", "co-2")];
+    let mut conn = Conn::open(d.addr()).await;
+    let (accepted, head) = tokio::join!(
+        gate.accept(),
+        send_for_head(&mut conn, COHERE, &headers, cohere_body(gated))
+    );
+    assert_stream_head(&head);
+    assert_eq!(head.headers()["x-request-id"], "co-2");
+    assert_eq!(d.stats().remote_decodes, 0, "the head came before the pull");
+
+    let_through(accepted.unwrap().0, p.side_channel_addr());
+    let gated = read(head).await;
+    let direct = post_with(d.addr(), COHERE, &headers, &cohere_body(direct)).await;
+    assert_eq!(direct.status, 200, "{}", direct.text());
+    assert_eq!(gated.text(), direct.text());
+    let events = gated.events();
+    let content: String = events
+        .iter()
+        .filter_map(|e| e["delta"]["message"]["content"]["text"].as_str())
+        .collect();
+    assert_eq!(content, disagg_sim::generate(PROMPT, 5, 0).concat());
+    assert_eq!(events[events.len() - 2]["type"], "message-end");
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    assert_eq!(counted_out(&d).await, [2, 0, 0, 0, 0]);
+}
+
+/// A streamed Responses decode gets its head and its two opening events while its pull
+/// waits; let through, the rest follows, and the stream is the one an ungated decode
+/// streams (one `created_at` throughout, as vLLM's one `created_time`).
+#[tokio::test]
+async fn a_streamed_responses_decode_sends_its_opening_events_while_its_pull_waits() {
+    let (p, d) = pair().await;
+    let (gated, gate) = gated_handoff(&p).await;
+    let leg = json!({"model": "sim-model", "prompt": PROMPT, "max_tokens": 1,
+                     "kv_transfer_params": {"do_remote_decode": true}});
+    let direct = prefill(&p, &[], COMPLETIONS, leg).await;
+
+    let headers = [("x-request-id", "resp-2")];
+    let mut conn = Conn::open(d.addr()).await;
+    let (accepted, head) = tokio::join!(
+        gate.accept(),
+        send_for_head(&mut conn, RESPONSES, &headers, responses_body(gated))
+    );
+    assert_stream_head(&head);
+    let mut body = head.into_body();
+    let opening = read_events(&mut body, 2).await;
+    assert_eq!(
+        d.stats().remote_decodes,
+        0,
+        "the events came before the pull"
+    );
+
+    let_through(accepted.unwrap().0, p.side_channel_addr());
+    let (rest, end) = read_rest(&mut body).await;
+    end.unwrap();
+    let (gated, created) = responses_events(&(opening + &rest));
+    assert!(created.windows(2).all(|w| w[0] == w[1]), "{created:?}");
+    let direct = post_with(d.addr(), RESPONSES, &headers, &responses_body(direct)).await;
+    assert_eq!(direct.status, 200, "{}", direct.text());
+    let (direct, _) = responses_events(&direct.text());
+    assert_eq!(gated, direct);
+    let text: String = gated
+        .iter()
+        .filter(|(name, _)| name == "response.output_text.delta")
+        .filter_map(|(_, e)| e["delta"].as_str())
+        .collect();
+    assert_eq!(text, disagg_sim::generate(PROMPT, 5, 0).concat());
+    // Five tokens of five: `max_output_tokens` reached.
+    assert_eq!(gated.last().unwrap().0, "response.incomplete");
+    assert_eq!(counted_out(&d).await, [2, 0, 0, 0, 0]);
+}
+
+/// Not streamed, the Cohere and Responses routes answer a failed pull in the head, a
+/// 500 in each route's error shape.
+#[tokio::test]
+async fn cohere_and_responses_decodes_not_streamed_answer_their_failure_in_the_head() {
+    let (p, d) = pair().await;
+    for (path, body) in [
+        (COHERE, cohere_body as fn(Value) -> Value),
+        (RESPONSES, responses_body),
+    ] {
+        let (params, gate) = gated_handoff(&p).await;
+        let mut body = body(params);
+        body["stream"] = json!(false);
+        let mut conn = Conn::open(d.addr()).await;
+        let head = conn.send("POST", path, &[], Some(serde_json::to_vec(&body).unwrap()));
+        let refused = async {
+            drop(gate.accept().await.unwrap());
+        };
+        let (head, ()) = tokio::join!(head, refused);
+        let reply = read(head).await;
+        assert_eq!(reply.status, 500, "{path}: {}", reply.text());
+        let v = reply.json();
+        let message = match path {
+            COHERE => &v["message"],
+            _ => &v["error"]["message"],
+        };
+        let message = message.as_str().unwrap_or_default();
+        assert!(message.starts_with("KV transfer failed: "), "{path}: {v}");
+    }
+    assert_eq!(counted_out(&d).await, [0, 0, 2, 0, 0]);
+}
