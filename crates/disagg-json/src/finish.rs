@@ -32,8 +32,8 @@ const TAIL: usize = 16;
 ///
 /// One `memchr` search per frame for `"finish_reason"` (a key cut between two frames is
 /// found by comparing the frame's first bytes with the last one's), and where it is
-/// found, the bytes after it up to its value's first byte (`:` and blanks between, in
-/// this frame or the next). The first value set ends the watch. Nothing is allocated.
+/// found, the bytes after it up to its value's first byte (`:` and JSON's whitespace
+/// between, in this frame or the next). The first value set ends the watch. Nothing is allocated.
 ///
 /// ```
 /// use disagg_json::FinishReasons;
@@ -86,6 +86,21 @@ impl FinishReasons {
         }
     }
 
+    /// Whether `payload` (one event's, or any bytes of JSON) sets a finish reason: the
+    /// rule the watch applies to a stream, applied to bytes the caller framed.
+    ///
+    /// ```
+    /// use disagg_json::FinishReasons;
+    ///
+    /// assert!(FinishReasons::set_in(br#"{"meta_info":{"finish_reason":{"type":"stop"}}}"#));
+    /// assert!(!FinishReasons::set_in(br#"{"choices":[{"finish_reason":null}]}"#));
+    /// ```
+    pub fn set_in(payload: &[u8]) -> bool {
+        let mut watch = FinishReasons::new();
+        watch.watch(payload);
+        watch.finished()
+    }
+
     /// Whether a finish reason was set in the stream so far.
     pub fn finished(&self) -> bool {
         self.finished
@@ -117,7 +132,7 @@ impl FinishReasons {
         self.tail.keep(data);
     }
 
-    /// Walks `data` from `i`, after a key: blanks, its `:`, blanks, then its value's
+    /// Walks `data` from `i`, after a key: whitespace, its `:`, whitespace, then its value's
     /// first byte, which tells whether the reason is set (a string, or SGLang's object;
     /// not `null`). Where
     /// the walk stopped: past the value's first byte, at the byte that showed the key
@@ -126,7 +141,8 @@ impl FinishReasons {
     fn after_key(&mut self, data: &[u8], mut i: usize) -> usize {
         while let Some(&b) = data.get(i) {
             match (self.after, b) {
-                (_, b' ' | b'\t') => {}
+                // JSON's whitespace.
+                (_, b' ' | b'\t' | b'\n' | b'\r') => {}
                 (After::Key, b':') => self.after = After::Colon,
                 (After::Colon, value) => {
                     self.after = After::Nothing;

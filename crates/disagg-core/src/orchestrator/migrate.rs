@@ -144,8 +144,8 @@ pub(crate) use plan::{Plan, ask_ids, plan};
 #[cfg(test)]
 use scan::parse_ids;
 use scan::{
-    FINISH_KEY, Held, IDS_KEY, IdsKey, USAGE_KEY, event_end, has_finish, has_usage, is_done,
-    next_ids, parse_ids_into, trailing,
+    Held, IDS_KEY, IdsKey, USAGE_KEY, event_end, has_finish, has_usage, is_done, next_ids,
+    parse_ids_into, trailing,
 };
 use seen::Seen;
 use unfinished::Unfinished;
@@ -319,8 +319,6 @@ pub(crate) struct Migrating {
 struct Scan {
     /// `token_ids":` (the end of both ids keys).
     ids: memchr::memmem::Finder<'static>,
-    /// `"finish_reason"` (set, to a string or SGLang's object: [`has_finish`]).
-    finish: memchr::memmem::Finder<'static>,
     /// `"usage"` (set to an object: a usage chunk, [`has_usage`]).
     usage: memchr::memmem::Finder<'static>,
 }
@@ -329,7 +327,6 @@ impl Scan {
     fn new() -> Self {
         Scan {
             ids: memchr::memmem::Finder::new(IDS_KEY),
-            finish: memchr::memmem::Finder::new(FINISH_KEY),
             usage: memchr::memmem::Finder::new(USAGE_KEY),
         }
     }
@@ -526,7 +523,7 @@ impl Migrating {
             // The first chunk (or a usage chunk before it), read once.
             self.read_first(data);
         }
-        if has_finish(&self.scan.finish, data) {
+        if has_finish(data) {
             self.finished = true;
         }
         if self.ctx.plan.usage && has_usage(&self.scan.usage, data) {

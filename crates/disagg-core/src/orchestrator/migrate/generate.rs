@@ -328,7 +328,7 @@ impl Migrating {
         let Some(data) = self.relayed(event, out)? else {
             return Ok(());
         };
-        if super::has_finish(&self.scan.finish, data) {
+        if super::has_finish(data) {
             self.finished = true;
         }
         self.last = Some(event.slice_ref(data));

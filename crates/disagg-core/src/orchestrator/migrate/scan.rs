@@ -84,16 +84,14 @@ impl Held {
     }
 }
 
-/// The key of a choice's finish reason (vLLM's), or of `meta_info`'s (SGLang's).
-pub(super) const FINISH_KEY: &[u8] = b"\"finish_reason\"";
-
 /// Whether `data` (a chunk's payload) holds a `"finish_reason"` key set to a string
-/// (vLLM's) or an object (SGLang's), not `null`, however the engine spaced its JSON;
-/// `key` finds [`FINISH_KEY`]. A key written inside a string is escaped (`\"`) and,
-/// where the needle does match across an escaped quote (a text ending in
-/// `\"finish_reason`), it is a string's end, followed by no colon.
-pub(super) fn has_finish(key: &memchr::memmem::Finder<'_>, data: &[u8]) -> bool {
-    keyed(key, data, b"\"{")
+/// (vLLM's) or an object (SGLang's), not `null`, however the engine spaced its JSON:
+/// the rule of the watch a stream relayed without migration is read with
+/// ([`FinishReasons`](disagg_json::FinishReasons)). A key written inside a string is
+/// escaped (`\"`) and, where the needle does match across an escaped quote (a text
+/// ending in `\"finish_reason`), it is a string's end, followed by no colon.
+pub(super) fn has_finish(data: &[u8]) -> bool {
+    disagg_json::FinishReasons::set_in(data)
 }
 
 /// The key of a chunk's usage.
