@@ -55,22 +55,7 @@ async fn a_first_legs_refusal_event_is_relayed_not_continued() {
                 fake.calls_to(P1).iter().all(|c| c.uri.path() == CHAT),
                 "{what}: no fresh prefill"
             );
-            let all = told.reports();
-            let on_d1 = naming(&all, D1);
-            let [d1] = &on_d1[..] else {
-                panic!("{what}: D1 in one report: {all:?}")
-            };
-            assert_eq!(
-                (d1.outcome, d1.decode),
-                (Outcome::DecodeRefused, LegOutcome::Answered),
-                "{what}: a refusal blames no engine"
-            );
-            let summary = told.summary();
-            assert_eq!(
-                (summary.delivery, summary.error, summary.migrations),
-                (Delivery::Broken, Some("decode_error_event"), 0),
-                "{what}"
-            );
+            told_refused(&told, D1, 0, &what);
             assert_settled(&orch);
         }
     }
@@ -132,26 +117,34 @@ async fn a_continuations_refusal_event_is_relayed_not_continued_again() {
         let text = read_to_end(&mut body).await;
         assert!(text.ends_with(&(refusal.clone() + DONE)), "{what}: {text}");
         assert!(fake.calls_to(D3).is_empty(), "{what}: not continued again");
-        let all = told.reports();
-        dead(&all, D1);
-        let on_d2: Vec<&Report> = naming(&all, D2)
-            .into_iter()
-            .filter(|r| r.decode != LegOutcome::NotSent)
-            .collect();
-        let [d2] = &on_d2[..] else {
-            panic!("{what}: D2 in one report: {all:?}")
-        };
-        assert_eq!(
-            (d2.outcome, d2.decode),
-            (Outcome::DecodeRefused, LegOutcome::Answered),
-            "{what}"
-        );
-        let summary = told.summary();
-        assert_eq!(
-            (summary.delivery, summary.error, summary.migrations),
-            (Delivery::Broken, Some("decode_error_event"), 1),
-            "{what}"
-        );
+        dead(&told.reports(), D1);
+        told_refused(&told, D2, 1, &what);
         assert_settled(&orch);
     }
+}
+
+/// What `told` heard of a request whose stream ended in the refusal of the decode
+/// `decode` after `migrations` continuations: that decode in one report of its leg (a
+/// fresh prefill's leg report names it unsent), its refusal (its leg answered: no
+/// engine blamed), and the request's stream broken with `decode_error_event`.
+fn told_refused(told: &Told, decode: &str, migrations: u32, what: &str) {
+    let all = told.reports();
+    let on_it: Vec<&Report> = naming(&all, decode)
+        .into_iter()
+        .filter(|r| r.decode != LegOutcome::NotSent)
+        .collect();
+    let [report] = &on_it[..] else {
+        panic!("{what}: {decode} in one report: {all:?}")
+    };
+    assert_eq!(
+        (report.outcome, report.decode),
+        (Outcome::DecodeRefused, LegOutcome::Answered),
+        "{what}: a refusal blames no engine"
+    );
+    let summary = told.summary();
+    assert_eq!(
+        (summary.delivery, summary.error, summary.migrations),
+        (Delivery::Broken, Some("decode_error_event"), migrations),
+        "{what}"
+    );
 }
