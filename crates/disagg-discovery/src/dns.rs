@@ -41,15 +41,19 @@
 //! - a failed lookup (timeout, SERVFAIL, refused, an unreachable server) keeps the
 //!   name's last good engines, is logged and counted
 //!   ([`SourceStats::errors`](crate::SourceStats::errors)), and is retried with a
-//!   backoff from `min_refresh` doubling up to `max_refresh`.
+//!   backoff from `min_refresh` doubling up to `max_refresh`; the engines are kept at
+//!   most [`DnsConfig::max_stale`] (1 h) after the name's last good answer, then dropped
+//!   (logged and counted once), a lookup under way or not, until the name answers.
 //!
 //! A name's A and AAAA records (and each SRV target's) are asked each on its own.
 //! "No addresses" is the answer only when both families answered so; a family that
 //! fails beside one without records fails the lookup; a family that fails beside one
 //! with records keeps its own last good addresses (of that name, or that SRV target and
-//! port) beside the other's new ones, is counted each time, logged as it starts (a
-//! warning) and ends, and the name is asked again with a failed lookup's backoff
-//! (within the answer's TTL), from `min_refresh` again once the family answers. The
+//! port) beside the other's new ones, each at most `max_stale` after its family last
+//! answered with it (then dropped, logged and counted once), is counted each time,
+//! logged as it starts (a warning) and ends, and the name is asked again with a failed
+//! lookup's backoff (within the answer's TTL), from `min_refresh` again once the family
+//! answers. The
 //! addresses kept for this are each origin's distinct ones, at most the ceiling per
 //! source in all for a name: an origin past it is not remembered (a family of it that
 //! fails keeps none), its answer still taken. An address both families give (an
@@ -94,19 +98,20 @@ use futures::{Stream, StreamExt};
 use hickory_resolver::config::{NameServerConfig, ResolveHosts, ResolverConfig, ResolverOpts};
 use hickory_resolver::net::NetError;
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
-use hickory_resolver::proto::op::Query;
-use hickory_resolver::proto::rr::{Name, RData, RecordType};
+use hickory_resolver::proto::rr::{Name, RData};
 use hickory_resolver::{Hosts, Resolver, TokioResolver};
 use tokio::time::Instant;
 
 use crate::source::{SpecPublisher, SpecSource};
 use crate::spec::{EndpointSpec, ModelsError, model_names};
 
+mod addresses;
 mod engines;
 mod outcome;
 mod search;
+mod stale;
 use engines::Engines;
-use outcome::{Addresses, Failure, FamilyFailure, Origins, Resolved, sooner};
+use outcome::{Failure, FamilyFailure, Origins, Resolved};
 use search::{first_answer, search_list};
 
 /// The default source name of DNS discovery (the `source` label of its metrics).
@@ -273,6 +278,16 @@ pub struct DnsConfig {
     /// it publishes the names that answered, and a name that answers later joins them.
     /// One name that never answers thus holds the others back this long, not forever.
     pub first_list_wait: Duration,
+    /// How long a name whose lookups fail keeps its last good engines, counted from its
+    /// last good answer (and an address family failing beside one that answers, its
+    /// last good addresses, from the family's last answer with each): 1 h by default,
+    /// the default of CoreDNS's `serve_stale` (how long its cache answers with expired
+    /// records while the upstream fails). Past it the engines are dropped, logged and
+    /// counted once ([`SourceStats::expired`](crate::SourceStats::expired)): a server
+    /// down for hours leaves no routing to addresses long gone. Zero drops them at the
+    /// first failed lookup; [`Duration::MAX`] keeps them while the lookups fail,
+    /// however long.
+    pub max_stale: Duration,
 }
 
 impl DnsConfig {
@@ -287,6 +302,7 @@ impl DnsConfig {
             name: SOURCE_NAME.to_owned(),
             max_endpoints: crate::DEFAULT_MAX_ENDPOINTS_PER_SOURCE,
             first_list_wait: Duration::from_secs(30),
+            max_stale: Duration::from_secs(3600),
         }
     }
 }
@@ -432,103 +448,13 @@ fn system_config() -> Result<(ResolverConfig, ResolverOpts), DnsError> {
     read
 }
 
-impl Dns {
-    /// The addresses of the fully qualified `name`: from `/etc/hosts` when it knows the
-    /// name, else its A and AAAA records, each family asked on its own. A family that
-    /// fails (a timeout, SERVFAIL, a refusal) beside one with records is
-    /// [`Addresses::failed`] (the caller keeps that family's last good addresses);
-    /// beside one without records, or with the other failing too, it fails the lookup
-    /// (both failing: by the failure that is not a SERVFAIL, if either).
-    /// Only both families answering cleanly without records (NXDOMAIN, or no records of
-    /// the type) is a name without addresses, [`Failure::NoRecords`].
-    async fn addresses(&self, name: &Name) -> Result<Addresses, Failure> {
-        let listed = [RecordType::A, RecordType::AAAA].map(|kind| {
-            self.hosts
-                .lookup_static_host(&Query::query(name.clone(), kind))
-        });
-        if listed.iter().any(Option::is_some) {
-            let mut ips = Vec::new();
-            let mut until: Option<Instant> = None;
-            for lookup in listed.iter().flatten() {
-                ips.extend(lookup.answers().iter().filter_map(|r| r.data.ip_addr()));
-                let valid = Instant::from_std(lookup.valid_until());
-                until = Some(until.map_or(valid, |u| u.min(valid)));
-            }
-            return Ok(Addresses {
-                ips,
-                until: until.unwrap_or_else(Instant::now),
-                failed: None,
-            });
-        }
-        let (a, aaaa) = futures::join!(
-            self.family(name, RecordType::A),
-            self.family(name, RecordType::AAAA)
-        );
-        let mut ips = Vec::new();
-        let mut until: Option<Instant> = None;
-        let mut negative_ttl = None;
-        let mut failed: Option<(bool, Failure)> = None;
-        for (v6, outcome) in [(false, a), (true, aaaa)] {
-            match outcome {
-                Ok((found, valid)) => {
-                    ips.extend(found);
-                    until = Some(until.map_or(valid, |u| u.min(valid)));
-                }
-                Err(Failure::NoRecords { negative_ttl: ttl }) => {
-                    negative_ttl = sooner(negative_ttl, ttl);
-                }
-                Err(e) => match failed.take() {
-                    // Both families failed: the failure that is not a SERVFAIL when one
-                    // is not (a timeout beside a SERVFAIL ends a search walk, as a
-                    // timeout does, where a SERVFAIL would move it on).
-                    Some((_, first)) if !first.is_server_failure() => return Err(first),
-                    Some(_) => return Err(e),
-                    None => failed = Some((v6, e)),
-                },
-            }
-        }
-        match (until, failed) {
-            // A family without records may have some by its negative TTL.
-            (Some(until), failed) => Ok(Addresses {
-                ips,
-                until: negative_ttl.map_or(until, |t| {
-                    until.min(Instant::now() + Duration::from_secs(t.into()))
-                }),
-                failed,
-            }),
-            // No records where it answered, and a failure where it did not: not known
-            // to be without engines.
-            (None, Some((_, e))) => Err(e),
-            (None, None) => Err(Failure::NoRecords { negative_ttl }),
-        }
-    }
-
-    /// One family's addresses of the fully qualified `name`: an answer with none is
-    /// [`Failure::NoRecords`].
-    async fn family(
-        &self,
-        name: &Name,
-        kind: RecordType,
-    ) -> Result<(Vec<IpAddr>, Instant), Failure> {
-        let lookup = self.resolver.lookup(name.clone(), kind).await?;
-        let ips: Vec<IpAddr> = lookup
-            .answers()
-            .iter()
-            .filter(|r| r.record_type() == kind)
-            .filter_map(|r| r.data.ip_addr())
-            .collect();
-        if ips.is_empty() {
-            return Err(Failure::NoRecords { negative_ttl: None });
-        }
-        Ok((ips, Instant::from_std(lookup.valid_until())))
-    }
-}
-
 /// One name's state between refreshes.
 struct NameState {
     target: DnsTarget,
     /// The name's last good engines (`None` before any answer).
     last: Option<Vec<EndpointSpec>>,
+    /// When it last answered, with records or without (`None` before any answer).
+    answered_at: Option<Instant>,
     /// The fully qualified name that first answered with records (the target's name
     /// itself, or under a search domain): the only one asked from then on, so that
     /// the search list is walked once, not at each refresh, and a failure of the name
@@ -587,6 +513,7 @@ impl Refresher {
             .map(|target| NameState {
                 target,
                 last: None,
+                answered_at: None,
                 pinned: None,
                 origins: Arc::default(),
                 due: Instant::now(),
@@ -631,6 +558,10 @@ impl Refresher {
         {
             next = Some(next.map_or(by, |n| n.min(by)));
         }
+        // A name's engines are dropped at their limit, even while a lookup is under way.
+        if let Some(at) = self.next_stale() {
+            next = Some(next.map_or(at, |n| n.min(at)));
+        }
         let wake = async {
             match next {
                 Some(at) => tokio::time::sleep_until(at).await,
@@ -641,6 +572,7 @@ impl Refresher {
             Some((i, outcome)) = self.lookups.next() => self.settle(i, outcome),
             () = wake => {}
         }
+        self.expire();
         self.publish();
     }
 
@@ -654,7 +586,7 @@ impl Refresher {
         // Each refresh asks the server: the resolver's cache would answer within the TTL
         // (or past it, for a bound shorter than the TTL) with what it already has.
         self.dns.resolver.clear_cache();
-        let max = self.config.max_endpoints;
+        let (max, max_stale) = (self.config.max_endpoints, self.config.max_stale);
         for (i, state) in self.names.iter_mut().enumerate() {
             if !due(state) {
                 continue;
@@ -665,7 +597,10 @@ impl Refresher {
             let pinned = state.pinned.clone();
             let last = Arc::clone(&state.origins);
             self.lookups.push(Box::pin(async move {
-                (i, resolve(&dns, &target, pinned, &last, max).await)
+                (
+                    i,
+                    resolve(&dns, &target, pinned, &last, max, max_stale).await,
+                )
             }));
         }
     }
@@ -686,7 +621,11 @@ impl Refresher {
                 passed_over,
                 failed,
                 origins,
+                expired,
             }) => {
+                if expired {
+                    self.publisher.record_expired();
+                }
                 let mut due = Instant::now() + bound(ttl);
                 // One family failed beside one that answered: that family's last good
                 // engines stayed (they are among `specs`), and the name is asked again
@@ -747,6 +686,7 @@ impl Refresher {
                     state.passed_over = None;
                 }
                 state.last = Some(specs);
+                state.answered_at = Some(Instant::now());
                 state.origins = Arc::new(origins);
                 state.pinned = state.pinned.take().or(pin);
                 state.failures = 0;
@@ -754,6 +694,7 @@ impl Refresher {
             }
             Err(Failure::NoRecords { negative_ttl }) => {
                 state.last = Some(Vec::new());
+                state.answered_at = Some(Instant::now());
                 state.origins = Arc::default();
                 // The name that answered is gone: the next lookup walks the search list
                 // again (the Service may come back under another of its names).
@@ -827,12 +768,13 @@ async fn resolve(
     pinned: Option<Name>,
     last: &Origins,
     max: usize,
+    max_stale: Duration,
 ) -> Result<Resolved, Failure> {
     let names = |name: &str| match &pinned {
         Some(pinned) => Ok(vec![pinned.clone()]),
         None => dns.candidates(name),
     };
-    let mut engines = Engines::new(target, last, max);
+    let mut engines = Engines::new(target, last, max, max_stale);
     match &target.name {
         DnsName::Host { name, port } => {
             // An address written as the name is its one engine (as the resolver has it).
@@ -844,6 +786,7 @@ async fn resolve(
                     passed_over: None,
                     failed: None,
                     origins: Origins::new(),
+                    expired: false,
                 });
             }
             let walked =
@@ -968,6 +911,7 @@ fn spec(target: &DnsTarget, ip: IpAddr, port: u16) -> EndpointSpec {
 
 #[cfg(test)]
 mod tests {
+    use super::outcome::Addresses;
     use super::*;
     use hickory_resolver::proto::op::{Message, ResponseCode};
     use hickory_resolver::proto::rr::rdata::A;
@@ -1157,7 +1101,15 @@ mod tests {
     async fn a_failure_on_one_name_of_the_search_list_fails_the_lookup() {
         let server = TestServer::start(&[("d.hole.test.", Reply::Silent)]).await;
         let (dns, config) = dns_at(server.addr, &["search.test."], 1);
-        let outcome = resolve(&dns, &config.targets[0], None, &Origins::new(), 100).await;
+        let outcome = resolve(
+            &dns,
+            &config.targets[0],
+            None,
+            &Origins::new(),
+            100,
+            Duration::MAX,
+        )
+        .await;
         assert!(
             matches!(outcome, Err(Failure::Lookup(_))),
             "{}",
@@ -1172,7 +1124,15 @@ mod tests {
         server.set("d.hole.test.", Reply::A(Ipv4Addr::LOCALHOST));
         let (dns, mut config) = dns_at(server.addr, &["search.test."], 1);
         config.targets[0].name = "e.hole.test:8200".parse().unwrap();
-        let outcome = resolve(&dns, &config.targets[0], None, &Origins::new(), 100).await;
+        let outcome = resolve(
+            &dns,
+            &config.targets[0],
+            None,
+            &Origins::new(),
+            100,
+            Duration::MAX,
+        )
+        .await;
         assert!(matches!(outcome, Err(Failure::NoRecords { .. })));
         assert_eq!(
             server.asked(),
@@ -1396,12 +1356,16 @@ mod tests {
         // An IPv6 address the name gave before stays while its family fails; one of
         // another origin (another port) is no address of this one.
         let asked = Name::from_utf8("d.hole.test.").unwrap();
+        let now = Instant::now();
         refresher.names[0].origins = Arc::new(Origins::from([
             (
                 (asked.clone(), 8200),
-                vec!["127.0.0.3".parse().unwrap(), "fd00::1".parse().unwrap()],
+                vec![
+                    ("127.0.0.3".parse().unwrap(), now),
+                    ("fd00::1".parse().unwrap(), now),
+                ],
             ),
-            ((asked, 8201), vec!["fd00::2".parse().unwrap()]),
+            ((asked, 8201), vec![("fd00::2".parse().unwrap(), now)]),
         ]));
         refresher.names[0].due = Instant::now();
         refresher.start_due();
@@ -1414,6 +1378,44 @@ mod tests {
             .map(|e| e.url.as_str())
             .collect();
         assert_eq!(urls, ["http://127.0.0.7:8200", "http://[fd00::1]:8200"]);
+    }
+
+    /// The last good addresses of a family that fails beside one that answers are kept
+    /// at most `max_stale` after that family last answered with them, not after the
+    /// name's last answer: then they are dropped, logged and counted once, the other
+    /// family's engines taken as they come.
+    #[tokio::test]
+    async fn a_failing_familys_addresses_are_dropped_past_the_stale_limit() {
+        let ip = Ipv4Addr::new(127, 0, 0, 15);
+        let server = TestServer::start(&[("d.hole.test.", Reply::AServFailsAaaa(ip))]).await;
+        let (dns, config) = dns_at(server.addr, &[], 1);
+        let (publisher, source) = SpecSource::channel("dns");
+        let mut refresher = Refresher::new(dns, config, publisher);
+        // The name's IPv6 address, as its AAAA records last gave it.
+        let answered = Instant::now();
+        let origin = (Name::from_utf8("d.hole.test.").unwrap(), 8200);
+        let v6 = "fd00::15".parse().unwrap();
+        refresher.names[0].origins =
+            Arc::new(Origins::from([(origin.clone(), vec![(v6, answered)])]));
+        let both = ["http://127.0.0.15:8200", "http://[fd00::15]:8200"];
+        // Within the hour: kept, remembered with its own answer's time.
+        for _ in 0..2 {
+            refresh(&mut refresher).await;
+            assert_eq!(urls(&refresher.names[0]), both);
+            let remembered = &refresher.names[0].origins[&origin];
+            assert!(remembered.contains(&(v6, answered)), "{remembered:?}");
+        }
+        assert_eq!(source.stats().expired(), 0);
+        // The limit is what has passed since that answer: past it, dropped.
+        refresher.config.max_stale = answered.elapsed();
+        refresh(&mut refresher).await;
+        assert_eq!(urls(&refresher.names[0]), ["http://127.0.0.15:8200"]);
+        assert_eq!(source.stats().expired(), 1);
+        // The family failing on: nothing more to drop, nothing more counted.
+        refresh(&mut refresher).await;
+        assert_eq!(urls(&refresher.names[0]), ["http://127.0.0.15:8200"]);
+        assert_eq!(source.stats().expired(), 1, "counted once");
+        assert!(source.stats().errors() >= 4, "each failure counted");
     }
 
     /// A family failing beside one that answers is asked again with a backoff, as a
@@ -1458,6 +1460,117 @@ mod tests {
         assert_eq!(source.stats().errors(), 4);
     }
 
+    /// A name whose lookups fail keeps its last good engines for `max_stale` after its
+    /// last good answer, and no longer: at that time (not at the next lookup) they are
+    /// dropped and published so, counted once however many lookups fail after. An
+    /// answer brings the engines back and starts the time again.
+    #[tokio::test]
+    async fn a_failing_names_engines_are_dropped_past_the_stale_limit() {
+        let server =
+            TestServer::start(&[("d.hole.test.", Reply::A(Ipv4Addr::new(127, 0, 0, 12)))]).await;
+        let (dns, config) = dns_at(server.addr, &[], 1);
+        assert_eq!(config.max_stale, Duration::from_secs(3600), "the default");
+        let (publisher, source) = SpecSource::channel("dns");
+        let mut refresher = Refresher::new(dns, config, publisher);
+        let published = || -> Vec<String> {
+            let specs = source.watch().borrow().clone().unwrap_or_default();
+            specs.iter().map(|s| s.url.clone()).collect()
+        };
+        let before_answer = Instant::now();
+        refresh(&mut refresher).await;
+        let after_answer = Instant::now();
+        refresher.publish();
+        assert_eq!(published(), ["http://127.0.0.12:8200"]);
+        // The server fails: within the hour, the engines are kept.
+        server.set("d.hole.test.", Reply::ServFail);
+        refresh(&mut refresher).await;
+        refresher.publish();
+        assert_eq!(refresher.names[0].failures, 1);
+        assert_eq!(published(), ["http://127.0.0.12:8200"], "kept");
+        assert_eq!(source.stats().expired(), 0);
+        // The limit now ends 300 ms from now at the latest; the next lookup is far off,
+        // so only the limit's own time can drop the engines.
+        let max_stale = after_answer.elapsed() + Duration::from_millis(300);
+        refresher.config.max_stale = max_stale;
+        refresher.names[0].due = Instant::now() + Duration::from_secs(3600);
+        let errors = source.stats().errors();
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while !published().is_empty() {
+                refresher.step().await;
+            }
+        })
+        .await
+        .expect("the engines dropped at the limit, not at the next lookup");
+        assert!(
+            Instant::now() >= before_answer + max_stale,
+            "not before the limit"
+        );
+        assert!(urls(&refresher.names[0]).is_empty());
+        assert_eq!(source.stats().errors(), errors, "no lookup ran meanwhile");
+        assert_eq!(source.stats().expired(), 1);
+        // More failures: nothing more to drop, nothing more counted.
+        for _ in 0..2 {
+            refresh(&mut refresher).await;
+            refresher.expire();
+        }
+        assert_eq!(refresher.names[0].failures, 3);
+        assert_eq!(source.stats().expired(), 1, "counted once");
+        // The name answers again: its engines are back, and the time starts over from
+        // that answer (a limit the first answer is past keeps them).
+        server.set("d.hole.test.", Reply::A(Ipv4Addr::new(127, 0, 0, 13)));
+        let reanswered = Instant::now();
+        refresh(&mut refresher).await;
+        server.set("d.hole.test.", Reply::ServFail);
+        refresh(&mut refresher).await;
+        assert!(refresher.names[0].answered_at >= Some(reanswered));
+        refresher.config.max_stale = reanswered - before_answer;
+        refresher.expire();
+        refresher.publish();
+        assert_eq!(published(), ["http://127.0.0.13:8200"]);
+        assert_eq!(source.stats().expired(), 1);
+    }
+
+    /// The limit is kept while a lookup is under way: a name whose server stops
+    /// answering (each lookup waiting out a 10 s timeout) has its engines dropped when
+    /// `max_stale` (1 s) has passed since its last good answer, not once the lookup
+    /// under way gives up.
+    #[tokio::test]
+    async fn the_stale_limit_drops_engines_while_a_lookup_waits() {
+        let server =
+            TestServer::start(&[("d.hole.test.", Reply::A(Ipv4Addr::new(127, 0, 0, 14)))]).await;
+        let (_, mut config) = dns_at(server.addr, &[], 1);
+        config.timeout = Duration::from_secs(10);
+        config.min_refresh = Duration::from_millis(100);
+        config.max_refresh = Duration::from_secs(1);
+        config.max_stale = Duration::from_secs(1);
+        let source = spawn(config).await.unwrap();
+        let mut rx = source.watch();
+        let decodes = |rx: &mut tokio::sync::watch::Receiver<crate::Specs>| -> usize {
+            rx.borrow_and_update().as_ref().map_or(0, |s| s.len())
+        };
+        assert_eq!(decodes(&mut rx), 1);
+        // A failed lookup (SERVFAIL answers at once); then no answer at all.
+        server.set("d.hole.test.", Reply::ServFail);
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while source.stats().errors() == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("a failed lookup");
+        server.set("d.hole.test.", Reply::Silent);
+        let silent = Instant::now();
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while decodes(&mut rx) > 0 {
+                let _ = rx.changed().await;
+            }
+        })
+        .await
+        .expect("the engines dropped well before the 10 s lookup under way gives up");
+        assert!(silent.elapsed() < Duration::from_secs(5));
+        assert_eq!(source.stats().expired(), 1);
+    }
+
     /// The addresses remembered for a family that fails later are each origin's
     /// distinct ones, at most the engine ceiling in all: 256 SRV targets answering the
     /// same 100 addresses ten times over are 100 engines, within the ceiling, but would
@@ -1468,7 +1581,7 @@ mod tests {
         let target = DnsTarget::new(DnsName::Srv("_h._tcp.hole.test".into()), Role::Decode);
         let last = Origins::new();
         let max = 1000;
-        let mut engines = Engines::new(&target, &last, max);
+        let mut engines = Engines::new(&target, &last, max, Duration::MAX);
         let ips: Vec<IpAddr> = (0..100)
             .map(|i| Ipv4Addr::new(127, 0, 1, i).into())
             .collect();
@@ -1484,7 +1597,8 @@ mod tests {
         let resolved = engines.resolved(Instant::now(), host(0), None);
         assert_eq!(resolved.specs.len(), 100, "one engine per address");
         for (origin, remembered) in &resolved.origins {
-            let distinct: std::collections::HashSet<_> = remembered.iter().collect();
+            let distinct: std::collections::HashSet<_> =
+                remembered.iter().map(|(ip, _)| ip).collect();
             assert_eq!(distinct.len(), remembered.len(), "{origin:?}: repeats");
         }
         let total: usize = resolved.origins.values().map(Vec::len).sum();

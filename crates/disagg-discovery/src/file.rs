@@ -33,7 +33,8 @@
 //! between two entries, and such a read, valid as it may be, would remove engines for
 //! a poll interval. A change is thus in force within about one interval and the settle
 //! delay; a file that never reads the same twice in a row is not taken until it does.
-//! The first read, at start, is taken as it is. Polling, rather than
+//! The first read, at start, is taken as it is. Each poll is counted once its outcome
+//! is taken ([`SourceStats::polls`](crate::SourceStats::polls)). Polling, rather than
 //! inotify through the `notify` crate, because the ways such a file is replaced defeat a
 //! watch on the file itself: a Kubernetes ConfigMap volume swaps a `..data` symlink to a
 //! new directory, and editors save by renaming a new file over the old one; both leave
@@ -612,76 +613,95 @@ enum Seen {
 }
 
 async fn poll(config: FileConfig, publisher: SpecPublisher, bytes: Vec<u8>, reader: TimedReader) {
-    let mut seen = Seen::Content(bytes);
-    // Changes in a row that never read the same twice: past a few, a writer that
-    // rewrites the file without pause (or two taking turns) is told, once per run.
-    let mut unsettled = 0u32;
+    let mut state = PollState {
+        seen: Seen::Content(bytes),
+        unsettled: 0,
+    };
     let mut interval = tokio::time::interval(config.poll_interval);
     // A slow read delays the next poll rather than bunching polls up.
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     interval.tick().await;
     while !publisher.is_closed() {
         interval.tick().await;
-        let bytes = match read(&config, &reader).await {
-            Ok(bytes) => bytes,
-            Err(e) => {
-                if seen != Seen::Unreadable {
-                    tracing::warn!(
-                        path = %config.path.display(),
-                        error = %disagg_core::error::error_chain(&e),
-                        "endpoints file unreadable; keeping the last good endpoints"
-                    );
-                    publisher.record_error();
-                    seen = Seen::Unreadable;
-                }
-                continue;
-            }
-        };
-        if matches!(&seen, Seen::Content(b) if *b == bytes) {
-            continue;
-        }
-        // A change, taken once it reads the same again after the settle delay: a file
-        // caught while it is rewritten in place (empty, or cut between entries) is not
-        // published. Another content, or none, is looked at by the next poll.
-        tokio::time::sleep(config.settle).await;
-        if !read(&config, &reader)
-            .await
-            .is_ok_and(|again| again == bytes)
-        {
-            unsettled = unsettled.saturating_add(1);
-            if unsettled == UNSETTLED_WARN {
+        poll_once(&config, &publisher, &reader, &mut state).await;
+        // Counted once its outcome is taken (published, counted, or no change).
+        publisher.record_poll();
+    }
+}
+
+/// What the polls carry from one to the next.
+struct PollState {
+    /// What the last poll saw.
+    seen: Seen,
+    /// Changes in a row that never read the same twice: past a few, a writer that
+    /// rewrites the file without pause (or two taking turns) is told, once per run.
+    unsettled: u32,
+}
+
+/// One poll: the file read, and a change taken once it settles.
+async fn poll_once(
+    config: &FileConfig,
+    publisher: &SpecPublisher,
+    reader: &TimedReader,
+    state: &mut PollState,
+) {
+    let PollState { seen, unsettled } = state;
+    let bytes = match read(config, reader).await {
+        Ok(bytes) => bytes,
+        Err(e) => {
+            if *seen != Seen::Unreadable {
                 tracing::warn!(
                     path = %config.path.display(),
-                    polls = unsettled,
-                    "endpoints file changes at every poll and never reads the same twice; keeping the last good endpoints"
+                    error = %disagg_core::error::error_chain(&e),
+                    "endpoints file unreadable; keeping the last good endpoints"
                 );
                 publisher.record_error();
+                *seen = Seen::Unreadable;
             }
-            continue;
+            return;
         }
-        unsettled = 0;
-        match parse_blocking(&bytes, config.bounds).await {
-            Ok(specs) => {
-                let n = specs.len();
-                if publisher.publish(specs) {
-                    tracing::info!(path = %config.path.display(), engines = n, "endpoints file reloaded");
-                }
-            }
-            Err(e) => {
-                tracing::warn!(
-                    path = %config.path.display(),
-                    error = %e,
-                    "endpoints file edit refused; keeping the last good endpoints"
-                );
-                if matches!(e, FileError::OverLimit(_)) {
-                    publisher.record_over_limit();
-                } else {
-                    publisher.record_error();
-                }
-            }
-        }
-        seen = Seen::Content(bytes);
+    };
+    if matches!(&*seen, Seen::Content(b) if *b == bytes) {
+        return;
     }
+    // A change, taken once it reads the same again after the settle delay: a file
+    // caught while it is rewritten in place (empty, or cut between entries) is not
+    // published. Another content, or none, is looked at by the next poll.
+    tokio::time::sleep(config.settle).await;
+    if !read(config, reader).await.is_ok_and(|again| again == bytes) {
+        *unsettled = unsettled.saturating_add(1);
+        if *unsettled == UNSETTLED_WARN {
+            tracing::warn!(
+                path = %config.path.display(),
+                polls = *unsettled,
+                "endpoints file changes at every poll and never reads the same twice; keeping the last good endpoints"
+            );
+            publisher.record_error();
+        }
+        return;
+    }
+    *unsettled = 0;
+    match parse_blocking(&bytes, config.bounds).await {
+        Ok(specs) => {
+            let n = specs.len();
+            if publisher.publish(specs) {
+                tracing::info!(path = %config.path.display(), engines = n, "endpoints file reloaded");
+            }
+        }
+        Err(e) => {
+            tracing::warn!(
+                path = %config.path.display(),
+                error = %e,
+                "endpoints file edit refused; keeping the last good endpoints"
+            );
+            if matches!(e, FileError::OverLimit(_)) {
+                publisher.record_over_limit();
+            } else {
+                publisher.record_error();
+            }
+        }
+    }
+    *seen = Seen::Content(bytes);
 }
 
 #[cfg(test)]

@@ -16,9 +16,9 @@
 //!   line's flags are;
 //! - the sources, one cargo feature each, each a background task publishing its whole
 //!   list of specs whenever it changes, and nothing when discovery fails (the last good
-//!   list stays): `kubernetes` (pods by label selector, through kube-rs's watcher),
-//!   `dns` (A/AAAA and SRV names, with hickory-resolver) and `file` (a TOML file,
-//!   reloaded on change);
+//!   list stays; a DNS name's, at most an hour by default): `kubernetes` (pods by label
+//!   selector, through kube-rs's watcher), `dns` (A/AAAA and SRV names, with
+//!   hickory-resolver) and `file` (a TOML file, reloaded on change);
 //! - the [`MergedSource`], an `EndpointSource` merging the fixed endpoints and every
 //!   source's specs into one set, keeping the same `Arc<Endpoint>` for an engine whose
 //!   spec did not change, so that in-flight counts, health and cache affinity survive

@@ -238,6 +238,9 @@ impl MergedSource {
     /// - `disagg_discovery_over_limit_total{source}` (counter): lists and file edits
     ///   refused for going past a ceiling (too many endpoints or ranks); the last good
     ///   list stayed;
+    /// - `disagg_discovery_expired_total{source}` (counter): last good lists dropped
+    ///   for having gone without a good answer too long (a DNS name whose lookups have
+    ///   failed past `dns::DnsConfig::max_stale`);
     /// - `disagg_discovery_duplicate_endpoints{source}` (gauge): endpoints a source finds
     ///   that an earlier source already contributes.
     ///
@@ -315,7 +318,7 @@ impl prometheus_client::collector::Collector for DiscoveryCollector {
                     .encode(changes.encode_family(&labels)?)?;
             }
         }
-        let rows: [Row; 5] = [
+        let rows: [Row; 6] = [
             (
                 "disagg_discovery_updates",
                 "Endpoint lists published by each discovery source.",
@@ -339,6 +342,12 @@ impl prometheus_client::collector::Collector for DiscoveryCollector {
                 "Lists and file edits a discovery source refused for going past a ceiling (endpoints, ranks); the last good list stayed.",
                 false,
                 SourceStats::over_limit,
+            ),
+            (
+                "disagg_discovery_expired",
+                "Last good lists a discovery source dropped for having gone without a good answer too long (DNS names whose lookups kept failing).",
+                false,
+                SourceStats::expired,
             ),
             (
                 "disagg_discovery_duplicate_endpoints",

@@ -5,8 +5,9 @@
 //! a background task that publishes its whole current list of [`EndpointSpec`]s through
 //! a [`tokio::sync::watch`] channel whenever it changes, and never a partial one: a
 //! failed watch, lookup or reload publishes nothing, so the last good list stays in
-//! force (the one bounded exception: DNS waits for every name's first answer at most
-//! `dns::DnsConfig::first_list_wait`, then publishes the names that answered). The
+//! force (the bounded exceptions: DNS waits for every name's first answer at most
+//! `dns::DnsConfig::first_list_wait`, then publishes the names that answered, and keeps
+//! a failing name's engines at most `dns::DnsConfig::max_stale`). The
 //! task lives as long as the handle: dropping the [`SpecSource`] (or the
 //! [`MergedSource`](crate::MergedSource) that owns it) stops it.
 
@@ -163,6 +164,20 @@ impl SpecPublisher {
         self.stats.errors.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Counts one list of engines dropped for having gone without a good answer for
+    /// longer than the source keeps it (a DNS name whose lookups have failed since
+    /// `dns::DnsConfig::max_stale` after its last good answer): [`SourceStats::expired`].
+    pub fn record_expired(&self) {
+        self.stats.expired.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts one poll done, its outcome taken (a list published, a failure counted,
+    /// or nothing changed): for a source that looks for changes at an interval, as the
+    /// endpoints file's does ([`SourceStats::polls`]).
+    pub fn record_poll(&self) {
+        self.stats.polls.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// The source's counters.
     pub fn stats(&self) -> &Arc<SourceStats> {
         &self.stats
@@ -201,6 +216,8 @@ pub struct SourceStats {
     pub(crate) errors: AtomicU64,
     pub(crate) rejected: AtomicU64,
     pub(crate) over_limit: AtomicU64,
+    pub(crate) polls: AtomicU64,
+    pub(crate) expired: AtomicU64,
     pub(crate) prefill: AtomicU64,
     pub(crate) decode: AtomicU64,
     pub(crate) encode: AtomicU64,
@@ -231,6 +248,24 @@ impl SourceStats {
     /// ([`Bounds`](crate::Bounds)); each is an error too.
     pub fn over_limit(&self) -> u64 {
         self.over_limit.load(Ordering::Relaxed)
+    }
+
+    /// Polls done since the source started, each counted once its outcome is taken (a
+    /// list published, a failure logged and counted, or nothing changed): the endpoints
+    /// file's reads at each `file::FileConfig::poll_interval` after the first; 0 for a source that does not poll (Kubernetes watches, DNS
+    /// lookups as TTLs run out). Not exported as a metric: it tells that the polling
+    /// goes on, and how many polls a claim such as "an invalid edit is counted once"
+    /// has been held over.
+    pub fn polls(&self) -> u64 {
+        self.polls.load(Ordering::Relaxed)
+    }
+
+    /// Last good lists of engines dropped for having gone without a good answer for
+    /// longer than the source keeps them: a DNS name's engines, once its lookups have
+    /// failed for `dns::DnsConfig::max_stale` (1 h by default) since its last good
+    /// answer. Each drop is counted once, not each failed lookup after it.
+    pub fn expired(&self) -> u64 {
+        self.expired.load(Ordering::Relaxed)
     }
 
     /// Prefill endpoints this source contributes to the merged set now.

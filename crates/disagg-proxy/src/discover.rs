@@ -87,6 +87,10 @@ pub struct DiscoveryArgs {
     /// again when their TTL ends, at most this long after).
     #[arg(long, value_name = "SECS", default_value_t = 30.0)]
     dns_refresh: f64,
+    /// DNS: the longest time a name whose lookups fail keeps its last good engines,
+    /// from its last good answer (then it has none until it answers again).
+    #[arg(long, value_name = "SECS", default_value_t = 3600.0)]
+    dns_max_stale: f64,
     /// DNS: the resolver to ask instead of the system's (/etc/resolv.conf).
     #[arg(long, value_name = "IP:PORT")]
     dns_server: Option<std::net::SocketAddr>,
@@ -193,9 +197,10 @@ impl DiscoveryArgs {
 
     /// The discovery time flags, by name, for the checks made before anything is built
     /// (read again where they are used).
-    pub(crate) fn time_flags(&self) -> [(&'static str, f64); 2] {
+    pub(crate) fn time_flags(&self) -> [(&'static str, f64); 3] {
         [
             ("dns-refresh", self.dns_refresh),
+            ("dns-max-stale", self.dns_max_stale),
             ("discovery-sync-timeout", self.discovery_sync_timeout),
         ]
     }
@@ -256,6 +261,7 @@ impl DiscoveryArgs {
         }
         let mut c = DnsConfig::new(targets);
         c.max_refresh = crate::serve::secs(self.dns_refresh, "dns-refresh")?;
+        c.max_stale = crate::serve::secs(self.dns_max_stale, "dns-max-stale")?;
         c.server = self.dns_server;
         c.max_endpoints = self.max_endpoints_per_source;
         // The DNS names' first answers are waited for as long as every source's first

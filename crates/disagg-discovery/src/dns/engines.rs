@@ -3,6 +3,7 @@
 
 use std::collections::HashSet;
 use std::net::IpAddr;
+use std::time::Duration;
 
 use hickory_resolver::proto::rr::Name;
 use tokio::time::Instant;
@@ -28,6 +29,8 @@ pub(super) struct Engines<'a> {
     target: &'a DnsTarget,
     last: &'a Origins,
     max: usize,
+    /// How long after their last good answer a failed family's addresses are kept.
+    max_stale: Duration,
     specs: Vec<EndpointSpec>,
     seen: HashSet<(IpAddr, u16)>,
     failed: Option<FamilyFailure>,
@@ -36,36 +39,63 @@ pub(super) struct Engines<'a> {
     remembered: usize,
     /// The origins not remembered, for being past `max`.
     forgotten: usize,
+    /// Whether a failed family's addresses were dropped for being past `max_stale`.
+    expired: bool,
 }
 
 impl<'a> Engines<'a> {
-    pub(super) fn new(target: &'a DnsTarget, last: &'a Origins, max: usize) -> Self {
+    pub(super) fn new(
+        target: &'a DnsTarget,
+        last: &'a Origins,
+        max: usize,
+        max_stale: Duration,
+    ) -> Self {
         Engines {
             target,
             last,
             max,
+            max_stale,
             specs: Vec::new(),
             seen: HashSet::new(),
             failed: None,
             origins: Origins::new(),
             remembered: 0,
             forgotten: 0,
+            expired: false,
         }
     }
 
     /// Adds the engines of `origin`'s addresses `found` (at its port, weighing
     /// `weight`) and, when a family failed beside them, that family's addresses from
-    /// `origin`'s last good answer. More engines than `max` is [`Failure::TooMany`].
+    /// `origin`'s last good answer, those that answered within `max_stale` (the others
+    /// are dropped, logged). More engines than `max` is [`Failure::TooMany`].
     pub(super) fn add(
         &mut self,
         origin: Origin,
         found: Addresses,
         weight: Option<f64>,
     ) -> Result<(), Failure> {
-        let mut ips = found.ips;
+        let now = Instant::now();
+        let mut ips: Vec<(IpAddr, Instant)> = found.ips.into_iter().map(|ip| (ip, now)).collect();
         if let Some((v6, error)) = found.failed {
+            // The family's last good addresses, those answered within `max_stale`.
             let kept = self.last.get(&origin).into_iter().flatten();
-            ips.extend(kept.filter(|ip| ip.is_ipv6() == v6));
+            let (fresh, stale): (Vec<(IpAddr, Instant)>, Vec<_>) = kept
+                .copied()
+                .filter(|(ip, _)| ip.is_ipv6() == v6)
+                .partition(|(_, at)| at.checked_add(self.max_stale).is_none_or(|end| end > now));
+            if !stale.is_empty() {
+                tracing::warn!(
+                    name = %self.target.name,
+                    asked = %origin.0,
+                    family = if v6 { "AAAA" } else { "A" },
+                    addresses = stale.len(),
+                    max_stale = ?self.max_stale,
+                    "DNS lookups of one address family have failed for longer than its addresses are kept after their last good answer; dropping them"
+                );
+                self.expired = true;
+            }
+            ips.extend(fresh);
             self.failed.get_or_insert(FamilyFailure {
                 name: origin.0.clone(),
                 v6,
@@ -74,11 +104,11 @@ impl<'a> Engines<'a> {
         }
         // Each address once, as its record had it (so its family is known).
         let mut distinct = HashSet::with_capacity(ips.len());
-        ips.retain(|ip| distinct.insert(*ip));
+        ips.retain(|(ip, _)| distinct.insert(*ip));
         let port = origin.1;
         let new: Vec<IpAddr> = ips
             .iter()
-            .map(|ip| ip.to_canonical())
+            .map(|(ip, _)| ip.to_canonical())
             .filter(|ip| self.seen.insert((*ip, port)))
             .collect();
         let found = self.specs.len() + new.len();
@@ -126,6 +156,7 @@ impl<'a> Engines<'a> {
             passed_over,
             failed: self.failed,
             origins: self.origins,
+            expired: self.expired,
         }
     }
 }

@@ -30,6 +30,10 @@ pub(super) struct Resolved {
     /// The addresses each origin gave (the failed families' kept ones included): what
     /// the next lookup keeps of a family that fails.
     pub(super) origins: Origins,
+    /// Whether a failed family's last good addresses were dropped, past `max_stale`
+    /// after their last good answer (logged where dropped, counted once for the
+    /// lookup).
+    pub(super) expired: bool,
 }
 
 /// An address family that failed beside one that answered with records.
@@ -46,9 +50,10 @@ pub(super) struct FamilyFailure {
 pub(super) type Origin = (Name, u16);
 
 /// The addresses each origin gave in a name's last good answer, as their records had
-/// them (so each one's family is known): a family whose lookup fails beside one that
-/// answers keeps its addresses from here.
-pub(super) type Origins = HashMap<Origin, Vec<IpAddr>>;
+/// them (so each one's family is known), each with when its family last answered with
+/// it: a family whose lookup fails beside one that answers keeps its addresses from
+/// here, for at most `max_stale` after that answer.
+pub(super) type Origins = HashMap<Origin, Vec<(IpAddr, Instant)>>;
 
 /// A name's addresses.
 pub(super) struct Addresses {

@@ -165,11 +165,15 @@ async fn fixed_endpoints_come_first_and_win_over_discovered_ones() {
             .is_none()
     );
 
+    // A last good list dropped for its age (a DNS name past `max_stale`).
+    publisher.record_expired();
     let mut registry = prometheus_client::registry::Registry::default();
     merged.register_metrics(&mut registry);
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
     for line in [
+        "disagg_discovery_expired_total{source=\"test\"} 1\n",
+        "disagg_discovery_expired_total{source=\"static\"} 0\n",
         "disagg_discovery_endpoints{source=\"static\",role=\"prefill\"} 1\n",
         "disagg_discovery_endpoints{source=\"test\",role=\"prefill\"} 1\n",
         "disagg_discovery_endpoints{source=\"test\",role=\"decode\"} 0\n",
