@@ -302,8 +302,10 @@ async fn unloadable_kv() -> (Stack, Heard) {
 
 /// The one request on [`unloadable_kv`]'s stack failed its KV load once and was told
 /// as the decode's failure: delivery broken with the error `error`, its one attempt
-/// `DecodeFailed`, the prefill answered, the decode leg failed.
-async fn told_as_the_decodes_failure(stack: &Stack, heard: &Heard, error: &str) {
+/// `DecodeFailed`, the prefill answered, the decode leg failed; a lost KV load's
+/// suspect ([`Report::kv_load_suspect`](disagg_core::outcome::Report)) when the decode
+/// answered as one does (not a stream cut off: `suspect` false).
+async fn told_as_the_decodes_failure(stack: &Stack, heard: &Heard, error: &str, suspect: bool) {
     use disagg_core::outcome::{Delivery, LegOutcome, Outcome};
     assert_eq!(stack.d().stats().kv_pull_failures, 1);
     let summary = heard.first(1).await.remove(0);
@@ -323,6 +325,8 @@ async fn told_as_the_decodes_failure(stack: &Stack, heard: &Heard, error: &str) 
             LegOutcome::Failed
         )
     );
+    // Passive health reads the prefill's handoffs across such decodes.
+    assert_eq!(report.kv_load_suspect, suspect, "{report:?}");
 }
 
 /// The same wrong host under a streamed chat: the decode has sent its 200 head, so it
@@ -348,7 +352,7 @@ async fn a_kv_load_failure_streamed_by_the_decode_is_told_as_its_failure() {
             .is_some_and(|m| m.contains("KV transfer failed")),
         "{events:?}"
     );
-    told_as_the_decodes_failure(&stack, &heard, "decode_error_event").await;
+    told_as_the_decodes_failure(&stack, &heard, "decode_error_event", true).await;
 }
 
 /// The same wrong host under a streamed completions request: vLLM 0.33 writes no error
@@ -372,17 +376,16 @@ async fn a_kv_load_failure_on_a_streamed_completion_is_told_as_the_decodes_failu
         "{events:?}"
     );
     assert_eq!(events[1], "[DONE]");
-    told_as_the_decodes_failure(&stack, &heard, "decode_unfinished").await;
+    told_as_the_decodes_failure(&stack, &heard, "decode_unfinished", true).await;
 }
 
 /// The same wrong host under a streamed `/cohere/v2/chat`: vLLM 0.33's Cohere route ends
 /// the stream with a `message-end` whose `delta` holds the error (`finish_reason`
-/// `ERROR`), then `[DONE]`. Relayed as it came; the event names no status, so the
-/// request is told as the decode's refusal (its leg answered, no engine blamed), its
-/// delivery broken with `decode_error_event`, not as served.
+/// `ERROR`), then `[DONE]`. Relayed as it came, and told as the decode's failure: the
+/// event names no status, but Cohere's route writes it only when the chat stream it
+/// converts failed on the engine's side.
 #[tokio::test]
-async fn a_kv_load_failure_on_a_streamed_cohere_chat_is_no_served_answer() {
-    use disagg_core::outcome::{Delivery, LegOutcome, Outcome};
+async fn a_kv_load_failure_on_a_streamed_cohere_chat_is_told_as_the_decodes_failure() {
     let (stack, heard) = unloadable_kv().await;
     let body = serde_json::json!({"model": "sim-model", "max_tokens": 4, "stream": true,
                                   "messages": [{"role": "user", "content": "x"}]});
@@ -403,24 +406,7 @@ async fn a_kv_load_failure_on_a_streamed_cohere_chat_is_no_served_answer() {
         "{events:?}"
     );
     assert_eq!(events[2], "[DONE]");
-    assert_eq!(stack.d().stats().kv_pull_failures, 1);
-    let summary = heard.first(1).await.remove(0);
-    assert_eq!(
-        (summary.delivery, summary.error),
-        (Delivery::Broken, Some("decode_error_event"))
-    );
-    let reports = heard.reports();
-    let [report] = &reports[..] else {
-        panic!("one attempt: {reports:?}")
-    };
-    assert_eq!(
-        (report.outcome, report.prefill, report.decode),
-        (
-            Outcome::DecodeRefused,
-            LegOutcome::Answered,
-            LegOutcome::Answered
-        )
-    );
+    told_as_the_decodes_failure(&stack, &heard, "decode_error_event", true).await;
 }
 
 /// The same wrong host under a streamed `/v1/responses`: vLLM 0.33 writes
@@ -453,10 +439,11 @@ async fn a_kv_load_failure_on_a_streamed_response_is_the_decodes_failure() {
         ["response.created", "response.in_progress"],
         "{events:?}"
     );
-    let last: serde_json::Value = serde_json::from_str(&events[2]).unwrap();
+    let last: serde_json::Value = serde_json::from_str(events[2]).unwrap();
     assert_eq!(last["error"]["code"], "decode_stream_failed", "{events:?}");
     assert_eq!(events.len(), 3, "no [DONE]: {events:?}");
-    told_as_the_decodes_failure(&stack, &heard, "decode_stream_failed").await;
+    // The connection cut off: a broken stream, whatever broke it.
+    told_as_the_decodes_failure(&stack, &heard, "decode_stream_failed", false).await;
 }
 
 #[tokio::test]
@@ -476,6 +463,68 @@ async fn decode_failing_mid_stream_ends_with_an_sse_error_event() {
     assert_eq!(last["error"]["code"], "decode_stream_failed", "{events:?}");
     // The three chunks before the break reached the client.
     assert_eq!(events.len(), 4, "{events:?}");
+}
+
+/// A decode that breaks its stream after its first events, on each generation API whose
+/// clients read errors in their own shape: the proxy's error event ends the client's
+/// stream in that shape (Anthropic's `event: error`, which its client raises where it
+/// skips an unnamed event; Cohere's `message-end` with its `delta.error`, then
+/// `[DONE]`, as vLLM ends a failed Cohere stream; OpenAI's on the Responses API).
+#[tokio::test]
+async fn a_broken_stream_ends_with_the_error_event_of_its_api() {
+    let stack = Stack::builder()
+        .decode(vec![faulty(Faults {
+            drop_after_chunks: Some(2),
+            ..Default::default()
+        })])
+        .build()
+        .await;
+    let messages = serde_json::json!({"model": "sim-model", "max_tokens": 8, "stream": true,
+                                      "messages": [{"role": "user", "content": "x"}]});
+    let a = post(&stack.url, "/v1/messages", messages.to_string(), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let text = a.text();
+    let last = text.trim_end().rsplit("\n\n").next().unwrap();
+    let data = last
+        .strip_prefix("event: error\ndata: ")
+        .unwrap_or_else(|| panic!("Anthropic's error event last: {text}"));
+    let v: serde_json::Value = serde_json::from_str(data).unwrap();
+    assert_eq!(
+        (&v["type"], &v["error"]["type"]),
+        (&"error".into(), &"api_error".into()),
+        "{text}"
+    );
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("decode stream broke"))
+    );
+
+    let cohere = serde_json::json!({"model": "sim-model", "max_tokens": 8, "stream": true,
+                                    "messages": [{"role": "user", "content": "x"}]});
+    let a = post(&stack.url, "/cohere/v2/chat", cohere.to_string(), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let events = a.events();
+    let n = events.len();
+    assert_eq!(events[n - 1], "[DONE]", "{events:?}");
+    let end: serde_json::Value = serde_json::from_str(&events[n - 2]).unwrap();
+    assert_eq!(
+        (&end["type"], &end["delta"]["finish_reason"]),
+        (&"message-end".into(), &"ERROR".into()),
+        "{events:?}"
+    );
+
+    let responses = serde_json::json!({"model": "sim-model", "input": "x",
+                                       "max_output_tokens": 8, "stream": true});
+    let a = post(&stack.url, "/v1/responses", responses.to_string(), &[]).await;
+    let text = a.text();
+    let last = text.trim_end().rsplit("\n\n").next().unwrap();
+    let v: serde_json::Value = serde_json::from_str(
+        last.strip_prefix("data: ")
+            .unwrap_or_else(|| panic!("{text}")),
+    )
+    .unwrap();
+    assert_eq!(v["error"]["code"], "decode_stream_failed", "{text}");
 }
 
 #[tokio::test]
@@ -803,5 +852,5 @@ async fn a_kv_load_failure_streamed_by_the_decode_on_messages_is_told_as_its_fai
             .is_some_and(|m| m.contains("KV transfer failed")),
         "{text}"
     );
-    told_as_the_decodes_failure(&stack, &heard, "decode_error_event").await;
+    told_as_the_decodes_failure(&stack, &heard, "decode_error_event", true).await;
 }

@@ -565,10 +565,11 @@ async fn a_prefill_whose_kv_no_decode_can_load_is_ejected_not_the_decodes() {
 }
 
 /// The other side of the rule above: two decodes that fail every request (answering
-/// 500) while a third works, behind one healthy prefill. Round-robin hands the
-/// prefill's KV to the two failing decodes one after the other, so one of each pair of
-/// their failures counts against the prefill too, but the working decode's next success
-/// with that prefill wipes it: the failing decodes are ejected, the prefill stays.
+/// 500, as a lost KV load does) while a third works, behind one healthy prefill.
+/// Round-robin hands the prefill's KV to the two failing decodes one after the other,
+/// so one of each pair of their failures counts against the prefill too, but the
+/// working decode's next success with that prefill wipes it: the failing decodes are
+/// ejected, the prefill stays.
 #[tokio::test]
 async fn decodes_that_fail_on_their_own_are_ejected_not_their_prefill() {
     let p = SimEngine::start(SimConfig::default()).await.unwrap();
@@ -624,4 +625,54 @@ async fn decodes_that_fail_on_their_own_are_ejected_not_their_prefill() {
         .map(|d| matches!(health.state(d), Some(EndpointHealth::Ejected { .. })))
         .collect();
     assert_eq!(states, [false, true, true]);
+}
+
+/// Decodes that cannot be reached (their port refuses connections) failed on their own,
+/// whatever the KV handed to them: one prefill and two such decodes, no working decode
+/// in between, and only the decodes are ejected. The prefill's legs answered; it stays,
+/// and once the decodes are out the proxy says no decode is left.
+#[tokio::test]
+async fn unreachable_decodes_are_ejected_never_their_prefill() {
+    let p = SimEngine::start(SimConfig::default()).await.unwrap();
+    let (a, _held_a) = held_dead_url();
+    let (b, _held_b) = held_dead_url();
+    let inner = Arc::new(StaticSource::new([
+        Endpoint::new(&p.url(), Role::Prefill).unwrap(),
+        Endpoint::new(&a, Role::Decode).unwrap(),
+        Endpoint::new(&b, Role::Decode).unwrap(),
+    ]));
+    let mut config = passive(Duration::from_secs(60));
+    config.failure_threshold = 3;
+    let source = HealthSource::new(Arc::clone(&inner), config);
+    let health = Arc::clone(source.health());
+    let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new())
+        .router(PerLeg::both(RoundRobin::new))
+        .build();
+    let (url, _stop) = serve_proxy(orchestrator).await;
+
+    for i in 0..6 {
+        let a = post(
+            &url,
+            "/v1/completions",
+            completion(&format!("u{i}"), 2, false),
+            &[],
+        )
+        .await;
+        assert_eq!(a.status, 502, "{}", a.text());
+    }
+    let set = inner.snapshot();
+    assert_eq!(
+        health.state(&set.by_role(Role::Prefill)[0]),
+        Some(EndpointHealth::Healthy)
+    );
+    for d in set.by_role(Role::Decode) {
+        assert!(
+            matches!(health.state(d), Some(EndpointHealth::Ejected { .. })),
+            "{}: {:?}",
+            d.id(),
+            health.state(d)
+        );
+    }
+    let a = post(&url, "/v1/completions", completion("none", 2, false), &[]).await;
+    assert_openai_error(&a, 503, "no_decode_endpoint");
 }

@@ -166,6 +166,13 @@ pub struct Report {
     pub phases: Phases,
     /// The trace identities of its spans, when the orchestrator traces.
     pub trace: Option<TraceIds>,
+    /// The decode, handed the prefill's KV, failed as a decode whose KV load failed
+    /// answers: a 5xx head, or a stream relayed as it ended that carried an error event
+    /// naming a 5xx or ended without its answer (a completions stream with no finish
+    /// reason). Only then may the KV it was handed be what failed (vLLM answers a load
+    /// it could not make as its own 500); `false` for a decode that could not be
+    /// reached, timed out or broke off its stream, and for every other outcome.
+    pub kv_load_suspect: bool,
 }
 
 impl Report {
@@ -187,6 +194,7 @@ impl Report {
             timeline,
             phases: Phases::default(),
             trace: None,
+            kv_load_suspect: false,
         }
     }
 }

@@ -332,9 +332,11 @@ impl Inner {
             return pd_error_response(&PdError::deadline_exceeded(side));
         }
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-        // A completions stream must carry a choice's finish reason: one that ends
-        // without did not answer.
-        let completions = parts.uri.path() == Api::Completions.path();
+        // The API the engine's path serves, if any: its stream's error event takes that
+        // API's shape, and a completions stream must carry a choice's finish reason (one
+        // that ends without did not answer).
+        let api = Api::from_path(parts.uri.path());
+        let completions = api == Some(Api::Completions);
         let uri = match endpoint.uri(path) {
             Ok(uri) => uri,
             Err(e) => {
@@ -454,7 +456,10 @@ impl Inner {
                 completions,
             },
         );
-        let body = PdBody::forward(body.boxed(), sse).scrubbed(&parts.headers);
+        let mut body = PdBody::forward(body.boxed(), sse).scrubbed(&parts.headers);
+        if let Some(api) = api {
+            body = body.answering(api);
+        }
         strip(&mut parts.headers);
         if direct {
             parts

@@ -647,3 +647,31 @@ async fn a_completions_stream_without_a_finish_reason_fails_its_engine() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_stream_sent_direct_or_forwarded_ends_in_its_apis_error_event() {
+    // The proxy's error event after an engine's stream broke takes the shape the
+    // path's API reads: Anthropic's `event: error` on `/v1/messages` (its client skips
+    // an unnamed event), OpenAI's on a path no API serves.
+    for action in [RouteAction::Direct, RouteAction::Forwarded] {
+        let (engine, _) = raw_engine().await;
+        let table = RouteTable::default()
+            .admin_routes(true)
+            .set("/v1/messages", action);
+        let config = OrchestratorConfig::default();
+        let (addr, _source) = proxy_told(&[&engine], 5, config, table, None).await;
+        let (status, text) = post(addr, "/v1/messages", "do-break").await;
+        assert_eq!(status, 200, "{action:?}: {text}");
+        assert!(
+            text.contains(
+                "\n\nevent: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"api_error\""
+            ),
+            "{action:?}: {text}"
+        );
+        let (_, text) = post(addr, "/v1/embeddings", "do-break").await;
+        assert!(
+            text.contains("\n\ndata: {\"error\":") && !text.contains("event: error"),
+            "{action:?}: {text}"
+        );
+    }
+}

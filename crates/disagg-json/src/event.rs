@@ -21,7 +21,8 @@
 //! * Cohere's (vLLM's `/cohere/v2/chat`, `vllm/entrypoints/cohere/serving.py`): a
 //!   `message-end` event whose `delta` holds the error, `data: {"type": "message-end",
 //!   "delta": {"error": "...", "finish_reason": "ERROR"}}` (`json.dumps`), written when
-//!   the chat stream it converts fails; it names no status.
+//!   the chat stream it converts fails; it names no status, and is read as a 500 (the
+//!   engine's failure).
 //!
 //! The bytes pass through untouched; the watch only tells the relay's caller that the
 //! answer carried an error, and the status it names, so that a stream ending in one is
@@ -88,7 +89,8 @@ impl ErrorEvent {
     /// The HTTP status the event names, when it names one: OpenAI's `error.code` (a
     /// number from 100 to 599, or such a number in a string), else the status an error
     /// type stands for (Anthropic's, or vLLM's own exception names such as
-    /// `InternalServerError`), else a Responses event's `code`.
+    /// `InternalServerError`), else a Responses event's `code`; Cohere's `message-end`
+    /// holding an error is a 500.
     pub fn status(&self) -> Option<u16> {
         self.status
     }
@@ -103,8 +105,10 @@ impl ErrorEvent {
 
     /// The error event whose `data:` payload is `payload` (one event's, from its first
     /// byte: spaces before it are skipped), read as [`ErrorEvents`] reads the one it
-    /// finds in a stream (its first [`MAX_ERROR_EVENT`] bytes); `None` when the payload
-    /// is not an error event's. For a reader that frames the events itself.
+    /// finds in a stream, but whole: a caller that framed the event holds all of it
+    /// already (and bounds it), so a status written after a long message is read too;
+    /// `None` when the payload is not an error event's. For a reader that frames the
+    /// events itself.
     ///
     /// ```
     /// use disagg_json::ErrorEvent;
@@ -125,14 +129,10 @@ impl ErrorEvent {
             }
             skip_blanks(rest).starts_with(KEY)
         };
-        SHAPES
-            .iter()
-            .any(shaped)
-            .then(|| ErrorEvent::read(&payload[..payload.len().min(MAX_ERROR_EVENT)]))
+        SHAPES.iter().any(shaped).then(|| ErrorEvent::read(payload))
     }
 
-    /// The event whose data line is `line` (from its payload's `{` on, at most
-    /// [`MAX_ERROR_EVENT`] bytes).
+    /// The event whose data line is `line` (from its payload's `{` on).
     fn read(line: &[u8]) -> Self {
         let value = serde_json::from_slice::<serde_json::Value>(line.trim_ascii()).ok();
         let status = value.as_ref().and_then(|v| {
@@ -141,9 +141,20 @@ impl ErrorEvent {
             let kind = || error?.get("type")?.as_str().and_then(type_status);
             code.or_else(kind)
                 .or_else(|| v.get("code").and_then(as_status))
+                .or_else(|| cohere_failure(v).then_some(500))
         });
         ErrorEvent { status }
     }
+}
+
+/// Whether `v` is Cohere's `message-end` holding an error (`delta.error`, a string):
+/// vLLM's `/cohere/v2/chat` writes it when the chat stream it converts failed, which
+/// its chat generator does on the engine's side (a generation that failed, a KV load
+/// among them), so it is read as a 500, though it names no status.
+fn cohere_failure(v: &serde_json::Value) -> bool {
+    v.get("type").and_then(serde_json::Value::as_str) == Some("message-end")
+        && v.pointer("/delta/error")
+            .is_some_and(serde_json::Value::is_string)
 }
 
 /// A status written as a number, or as a number in a string.
@@ -524,16 +535,20 @@ data: {\"type\":\"errors\"}\n\n";
 
     #[test]
     fn coheres_message_end_with_an_error_is_one() {
-        // vLLM's `/cohere/v2/chat` when the chat stream it converts fails: no status.
+        // vLLM's `/cohere/v2/chat` when the chat stream it converts fails: no status
+        // named, the engine's failure.
         let stream = b"data: {\"type\":\"message-start\",\"id\":\"chatcmpl-1\",\"delta\":{\"message\":{\"role\":\"assistant\"}}}\n\n\
 data: {\"type\": \"message-end\", \"delta\": {\"error\": \"1 validation error\", \"finish_reason\": \"ERROR\"}}\n\n\
 data: [DONE]\n\n";
         for cut in 0..=stream.len() {
             let e = watched(stream, &[cut]);
-            assert_eq!(e.map(|e| e.status()), Some(None), "cut at {cut}");
+            assert_eq!(e.map(|e| e.status()), Some(Some(500)), "cut at {cut}");
         }
         let cuts: Vec<usize> = (1..stream.len()).collect();
-        assert!(watched(stream, &cuts).is_some(), "a byte per frame");
+        assert!(
+            watched(stream, &cuts).is_some_and(|e| e.is_server_error()),
+            "a byte per frame"
+        );
         // A served stream's `message-end`, and other events naming an error in a delta.
         let served = b"data: {\"type\":\"message-end\",\"id\":\"c\",\"delta\":{\"finish_reason\":\"COMPLETE\",\"usage\":{}}}\n\n\
 data: {\"type\":\"content-delta\",\"delta\":{\"error\":\"x\"}}\n\n";
@@ -579,7 +594,7 @@ data: {\"type\":\"content-delta\",\"delta\":{\"error\":\"x\"}}\n\n";
                 Some(429),
                 Some(404),
                 None,
-                None
+                Some(500)
             ]
         );
         // What is no error event's payload.
@@ -598,14 +613,14 @@ data: {\"type\":\"content-delta\",\"delta\":{\"error\":\"x\"}}\n\n";
                 String::from_utf8_lossy(payload)
             );
         }
-        // The ceiling: a code past it is not read.
+        // Read whole: a code past the watch's ceiling is read (the caller holds it).
         let long = format!(
             "{{\"error\": {{\"message\": \"{}\", \"code\": 500}}}}",
             "x".repeat(MAX_ERROR_EVENT)
         );
         assert_eq!(
             ErrorEvent::of_payload(long.as_bytes()).map(|e| e.status()),
-            Some(None)
+            Some(Some(500))
         );
     }
 

@@ -408,10 +408,25 @@ async fn messages_errors_come_in_vllms_shapes_and_invalid_bodies_reach_no_engine
 }
 
 /// The `anthropic` Python client drives `/v1/messages` through the proxy, whole and
-/// streamed, and gets its 400 error for a body the proxy refuses.
+/// streamed, and gets its 400 error for a body the proxy refuses; and, through a proxy
+/// whose decode breaks its stream after three events, the client's own error (the
+/// proxy's error event in Anthropic's shape, `event: error`: the client skips an event
+/// without a name, so OpenAI's shape would end the stream as a short answer).
 #[tokio::test]
 async fn the_anthropic_python_client_over_pd() {
     let (p, d, proxy) = nixl().await;
+    let broken_p = engine(KvMode::Nixl).await;
+    let broken_d = SimEngine::start(SimConfig {
+        kv_mode: KvMode::Nixl,
+        faults: disagg_sim::Faults {
+            drop_after_chunks: Some(3),
+            ..Default::default()
+        },
+        ..SimConfig::default()
+    })
+    .await
+    .expect("start a simulated engine");
+    let broken = Proxy::start(&broken_p, &broken_d, &[]).await;
     let alone = engine(KvMode::Nixl).await;
     let body = json!({
         "model": "sim-model",
@@ -423,11 +438,13 @@ async fn the_anthropic_python_client_over_pd() {
     let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/python/anthropic_messages.py");
     let url = proxy.url();
+    let broken_url = broken.url();
     let out = tokio::task::spawn_blocking(move || {
         std::process::Command::new(common::python("the `anthropic` package"))
             .arg(script)
             .arg(url)
             .arg(expect)
+            .arg(broken_url)
             .output()
     })
     .await
@@ -441,7 +458,7 @@ async fn the_anthropic_python_client_over_pd() {
         proxy.log()
     );
     assert!(
-        stdout.contains("anthropic messages: 3 checks passed"),
+        stdout.contains("anthropic messages: 4 checks passed"),
         "{stdout}"
     );
     assert_eq!(p.stats().prefill_requests, 2);

@@ -505,9 +505,10 @@ pub struct Faults {
     /// (counted in [`Stats::cancelled`](crate::Stats::cancelled)).
     pub hang: bool,
     /// Streaming: after this many SSE events, abort the connection (no
-    /// `[DONE]`, no clean end of the chunked body), on the OpenAI routes and on
-    /// SGLang's `/generate`. Non-streaming: abort the connection before the body is
-    /// complete.
+    /// `[DONE]`, no clean end of the chunked body), on the OpenAI routes, on SGLang's
+    /// `/generate` and on vLLM's other generation routes (`/v1/messages`,
+    /// `/v1/responses`, `/cohere/v2/chat`, `/inference/v1/generate`). Non-streaming:
+    /// abort the connection before the body is complete.
     pub drop_after_chunks: Option<usize>,
     /// Streaming: after this many SSE events (`Some(0)`: right after the
     /// response head), send nothing more but keep the connection open until

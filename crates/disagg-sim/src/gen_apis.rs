@@ -513,7 +513,8 @@ impl Answer<'_> {
                 return Err((e, guard));
             }
         };
-        let body = EventsBody::new(events, delay, faults.stall_after_chunks, guard);
+        let body = EventsBody::new(events, delay, faults.stall_after_chunks, guard)
+            .dropping_after(faults.drop_after_chunks);
         let mut response = Response::new(SimBody::Events(Box::new(body)));
         response.headers_mut().insert(
             CONTENT_TYPE,

@@ -33,7 +33,7 @@ use tokio::time::Instant;
 use super::stats::InFlight;
 use crate::connector::ReturnedHandoff;
 use crate::endpoint::{EndpointId, InFlightGuard};
-use crate::error::{BoxError, PdError, Phase, Side, error_chain};
+use crate::error::{BoxError, PdError, Phase, Side};
 use crate::outcome::now;
 use crate::outcome::{Delivery, LegOutcome, Outcome, Report, Summary};
 use crate::policy::Permit;
@@ -42,8 +42,10 @@ use crate::transport::BoxBody;
 use disagg_json::{ErrorEvents, FinishReasons};
 
 use super::answer::{Scrubber, scrubbed_kind};
+use super::in_band::{EventShape, end_with};
 use super::report::{Reporter, decode_end, prefill_end, unsent_or_abandoned};
 use super::respond::LateMarks;
+use crate::request::Api;
 
 /// The prefill exchange of a concurrent handoff, still running when the decode's head
 /// was relayed.
@@ -91,6 +93,9 @@ pub(crate) struct Finish {
     /// The watch for a choice's finish reason in a completions stream relayed as it is
     /// (one that ends without did not answer: vLLM's failed KV load).
     pub(crate) finishes: Option<FinishReasons>,
+    /// The decode was handed the prefill's KV: its stream ending in its own failure may
+    /// be a lost KV load ([`Report::kv_load_suspect`]).
+    pub(crate) kv: bool,
 }
 
 impl Finish {
@@ -109,6 +114,7 @@ impl Finish {
             moved: None,
             errors: None,
             finishes: None,
+            kv: false,
         }
     }
 
@@ -145,7 +151,7 @@ impl Finish {
     }
 
     /// Whether the answer relayed is the prefill's refusal (a 4xx passed through).
-    fn refusal(&self) -> bool {
+    pub(super) fn refusal(&self) -> bool {
         self.report
             .as_ref()
             .is_some_and(|(_, r)| r.outcome == Outcome::PrefillRefused)
@@ -153,7 +159,7 @@ impl Finish {
 
     /// The attempt ended as `outcome`; the legs' outcomes follow from it unless the
     /// report already holds one (a decode that answered 5xx failed when its head came).
-    fn done(&mut self, outcome: Outcome, failed: Option<&PdError>) {
+    pub(super) fn done(&mut self, outcome: Outcome, failed: Option<&PdError>) {
         self.guard = None;
         self.permit = None;
         self.in_flight = None;
@@ -225,6 +231,7 @@ impl Finish {
             Outcome::Success if unfinished => {
                 report.decode = LegOutcome::Failed;
                 report.outcome = Outcome::DecodeFailed;
+                report.kv_load_suspect = self.kv;
             }
             Outcome::Success => {
                 if let Some(event) = in_band {
@@ -234,6 +241,9 @@ impl Finish {
                         LegOutcome::Answered
                     };
                     report.outcome = decode_end(report.decode);
+                    // Not a migrating stream's refusal (`applied.refused`): a 5xx here
+                    // is the watch's.
+                    report.kv_load_suspect = self.kv && event.is_server_error();
                 }
             }
             Outcome::PrefillFailed | Outcome::PrefillRefused => {
@@ -371,7 +381,7 @@ impl Drop for Finish {
 /// What comes after the joined bytes have been handed over: the stream's last frame, a
 /// private detail of the body (how the attempt ended is the [`Outcome`] that
 /// [`Finish`] reports).
-enum Tail {
+pub(super) enum Tail {
     Eos,
     Trailers(HeaderMap),
     Error(BoxError),
@@ -540,6 +550,8 @@ pin_project_lite::pin_project! {
         #[pin]
         inner: BoxBody,
         sse: bool,
+        // The shape of the error event that ends a broken stream.
+        shape: EventShape,
         done: bool,
         joined: BytesMut,
         // Yields in a row that brought no new frame.
@@ -589,6 +601,7 @@ impl PdBody {
         PdBody {
             inner,
             sse,
+            shape: EventShape::OpenAi,
             done: false,
             joined: BytesMut::new(),
             idle_yields: 0,
@@ -613,6 +626,16 @@ impl PdBody {
     pub fn scrubbed(self, headers: &HeaderMap) -> Self {
         let on = scrubbed_kind(headers);
         self.scrubbing(on)
+    }
+
+    /// The same body, answering a client of `api`: a broken event stream ends with the
+    /// error event in the shape `api`'s clients read (Anthropic's `event: error` on
+    /// `/v1/messages`, Cohere's `message-end` with its `delta.error` on
+    /// `/cohere/v2/chat`, OpenAI's otherwise, and by default).
+    #[must_use]
+    pub fn answering(mut self, api: Api) -> Self {
+        self.shape = EventShape::of(api);
+        self
     }
 
     /// The same body, giving the answer's own `kv_transfer_params` to `to` as it is
@@ -677,7 +700,7 @@ impl Default for PdBody {
     }
 }
 
-type PollFrame = Poll<Option<Result<Frame<Bytes>, BoxError>>>;
+pub(super) type PollFrame = Poll<Option<Result<Frame<Bytes>, BoxError>>>;
 
 impl Body for PdBody {
     type Data = Bytes;
@@ -795,7 +818,7 @@ impl PdBody {
                 this.joined.clear();
                 Some(end_with(
                     Tail::Error(Box::new(e)),
-                    *this.sse,
+                    (*this.sse).then_some(*this.shape),
                     this.done,
                     this.finish,
                 ))
@@ -834,7 +857,12 @@ impl PdBody {
                     *this.end = Some(end);
                     return Poll::Pending;
                 }
-                return end_with(end, *this.sse, this.done, this.finish);
+                return end_with(
+                    end,
+                    (*this.sse).then_some(*this.shape),
+                    this.done,
+                    this.finish,
+                );
             }
             if this.joined.len() >= MAX_JOINED {
                 return Poll::Ready(Some(Ok(Frame::data(this.joined.split().freeze()))));
@@ -920,82 +948,15 @@ impl PdBody {
     }
 }
 
-fn end_with(end: Tail, sse: bool, done: &mut bool, finish: &mut Option<Box<Finish>>) -> PollFrame {
-    match end {
-        Tail::Trailers(t) => Poll::Ready(Some(Ok(Frame::trailers(t)))),
-        Tail::Eos => {
-            *done = true;
-            if let Some(mut f) = finish.take() {
-                f.done(Outcome::Success, None);
-            }
-            Poll::Ready(None)
-        }
-        Tail::Error(err) => {
-            *done = true;
-            let chain = error_chain(&*err);
-            let (message, code) = if finish.as_ref().is_some_and(|f| f.refusal()) {
-                let message = format!("prefill refusal broke: {chain}");
-                tracing::warn!(%message, "the prefill's answer could not be relayed");
-                (message, "prefill_failed")
-            } else {
-                let message = format!("decode stream broke: {chain}");
-                tracing::warn!(%message, "decode stream failed mid-response");
-                (message, "decode_stream_failed")
-            };
-            if let Some(mut f) = finish.take() {
-                f.done(Outcome::DecodeFailed, None);
-            }
-            if sse {
-                Poll::Ready(Some(Ok(Frame::data(sse_error_event(
-                    &message,
-                    "server_error",
-                    code,
-                )))))
-            } else {
-                Poll::Ready(Some(Err(err)))
-            }
-        }
-        Tail::Abort(err) => {
-            *done = true;
-            let message = error_chain(&err);
-            let outcome = if err.side() == Side::Prefill {
-                tracing::warn!(%message, "prefill leg failed after the decode's answer began");
-                Outcome::PrefillFailed
-            } else {
-                tracing::warn!(%message, "decode stream ended: out of time");
-                Outcome::DecodeFailed
-            };
-            if let Some(mut f) = finish.take() {
-                f.done(outcome, Some(&err));
-            }
-            if sse {
-                Poll::Ready(Some(Ok(Frame::data(sse_error_event(
-                    &message,
-                    err.event_type(),
-                    err.code(),
-                )))))
-            } else {
-                Poll::Ready(Some(Err(Box::new(err))))
-            }
-        }
-    }
-}
-
 pub(crate) fn empty_body() -> BoxBody {
     http_body_util::Empty::new()
         .map_err(|never| match never {})
         .boxed()
 }
 
-/// One SSE event carrying an OpenAI-format error. It starts with a blank line, which
-/// ends an event the broken stream may have left half-written.
+/// One SSE event carrying an OpenAI-format error ([`EventShape::error_event`]).
 pub(super) fn sse_error_event(message: &str, error_type: &str, code: &str) -> Bytes {
-    let json = disagg_json::openai_error_body(message, error_type, None, code);
-    let mut out = Vec::with_capacity(json.len() + 10);
-    out.extend_from_slice(b"\n\ndata: ");
-    out.extend_from_slice(&json);
-    out.extend_from_slice(b"\n\n");
-    Bytes::from(out)
+    EventShape::OpenAi.error_event(message, error_type, code)
 }
 
 #[cfg(test)]

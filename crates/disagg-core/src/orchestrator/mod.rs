@@ -66,6 +66,7 @@ mod clock;
 mod concurrent;
 pub(crate) mod config;
 mod encode;
+mod in_band;
 mod lead;
 pub(crate) mod legs;
 mod migrate;

@@ -436,7 +436,10 @@ impl Inner {
             }
             guard => (body, None, guard),
         };
+        // The decode was handed the prefill's KV: its 5xx head may be a lost KV load.
+        let kv = mark == Some("kv");
         let mut report = Report::new(route, outcome, prefill, decode, timeline);
+        report.kv_load_suspect = kv && decode == LegOutcome::Failed;
         report.attempt = meta.attempts.saturating_sub(1);
         report.trace = meta.trace.clone();
         let summary = self.reporter.listening().then(|| {
@@ -466,9 +469,11 @@ impl Inner {
                 .then(FinishReasons::new),
             moved,
             errors: None,
+            kv,
         };
         let returned = returned.filter(|_| status.is_success());
         let body = PdBody::stream(body, sse, finish, pending, timer)
+            .answering(req.api())
             .scrubbing(scrub)
             .capturing(returned);
         let mut resp = Response::new(body);

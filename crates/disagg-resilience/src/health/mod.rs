@@ -103,7 +103,7 @@ use tokio::time::Instant;
 use crate::lock;
 use disagg_core::endpoint::{Endpoint, EndpointId, EndpointSet, Role};
 use disagg_core::error::TransportError;
-use disagg_core::outcome::{EngineCall, LegOutcome, Listener, Report};
+use disagg_core::outcome::{EngineCall, LegOutcome, Listener, Outcome, Report};
 use disagg_core::source::EndpointSource;
 use disagg_core::transport::{Transport, read_limited};
 

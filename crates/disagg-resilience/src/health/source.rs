@@ -84,10 +84,15 @@ impl Listener for Health {
         let decode = &report.route.decode;
         if let Some(prefill) = report.route.prefill.as_ref() {
             let verdict = match (report.prefill, report.decode) {
-                // Its KV handed and the decode failed: whose failure is it?
-                (LegOutcome::Answered, LegOutcome::Failed) => self.lost_kv(prefill, decode),
-                (LegOutcome::Answered, answered) => {
-                    if answered == LegOutcome::Answered {
+                // Its KV handed and the decode failed as a lost KV load does: whose
+                // failure is it?
+                (LegOutcome::Answered, LegOutcome::Failed) if report.kv_load_suspect => {
+                    self.lost_kv(prefill, decode)
+                }
+                (LegOutcome::Answered, _) => {
+                    // Served: the KV it handed was loaded (a refusal, or a decode that
+                    // failed on its own, says nothing of it).
+                    if report.outcome == Outcome::Success {
                         self.kv_loaded(prefill);
                     }
                     Some(true)
@@ -109,12 +114,14 @@ impl Listener for Health {
 
 impl Health {
     /// The prefill `prefill` answered and handed its KV to `decode`, whose leg then
-    /// failed: the decode is told failed (as any failed leg), and the prefill's own
-    /// verdict is returned. A decode's failure after a handoff cannot say whose the KV
-    /// loss was (vLLM answers a failed KV load as its own 500, or an error event in its
+    /// failed as a lost KV load does ([`Report::kv_load_suspect`]: a 5xx head, a 5xx
+    /// error event, a stream with no answer; not an unreachable decode, a timeout or a
+    /// stream that broke off): the decode is told failed (as any failed leg), and the
+    /// prefill's own verdict is returned. Such a failure cannot say whose the KV loss
+    /// was (vLLM answers a failed KV load as its own 500, or an error event in its
     /// stream), but the prefill's handoffs across decodes can: when the one before
-    /// failed too, on another decode, with no handoff of this prefill's loaded since,
-    /// the prefill is failed (`Some(false)`): its KV is what no decode could load. The
+    /// failed so too, on another decode, with no handoff of this prefill's served
+    /// since, the prefill is failed (`Some(false)`): its KV is what no decode could load. The
     /// first such failure, or one on the same decode again, says nothing of the
     /// prefill (`None`): neither its success, which would reset its count, nor its
     /// failure. Without this, a prefill whose KV no decode can load (its side channel
@@ -132,7 +139,7 @@ impl Health {
         (before != 0 && before != on).then_some(false)
     }
 
-    /// A handoff of `prefill`'s loaded: the failures before it say nothing of the next.
+    /// A handoff of `prefill`'s served: the failures before it say nothing of the next.
     fn kv_loaded(&self, prefill: &Endpoint) {
         if let Some(state) = read(&self.registry).get(prefill) {
             // Read first: a store only after a failure, as for the breaker's count.

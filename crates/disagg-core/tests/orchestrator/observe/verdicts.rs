@@ -471,6 +471,8 @@ async fn an_error_event_in_the_decodes_stream_ends_the_attempt_as_its_code_says(
             (outcome, LegOutcome::Answered, decode),
             "{what}"
         );
+        // A 5xx event from a decode handed KV may be its lost KV load.
+        assert_eq!(r.kv_load_suspect, what == "500", "{what}");
         let s = heard.summary();
         let (delivery, error) = match sent {
             Some(_) => (Delivery::Broken, Some("decode_error_event")),
@@ -556,7 +558,57 @@ async fn a_completions_stream_ending_without_a_finish_reason_is_the_decodes_fail
             (outcome, LegOutcome::Answered, decode),
             "{what}"
         );
+        assert_eq!(r.kv_load_suspect, !served, "{what}");
         let s = heard.summary();
         assert_eq!((s.delivery, s.error), (delivery, error), "{what}");
+    }
+}
+
+/// Whether a decode's failure may be a lost KV load ([`Report::kv_load_suspect`]): its
+/// 5xx head after a handoff of the prefill's KV is (vLLM answers a load it could not
+/// make so); the same 5xx with no KV handed (a decode-only fallback), a decode that
+/// could not be reached, one out of its head's time, and a stream that broke off are
+/// not.
+#[tokio::test(start_paused = true)]
+async fn only_a_decode_answering_as_a_lost_kv_load_is_suspect() {
+    let cases = [
+        ("500 head, KV handed", true),
+        ("500 head, decode-only", false),
+        ("unreachable", false),
+        ("head timeout", false),
+        ("broken stream", false),
+    ];
+    for (what, suspect) in cases {
+        let fake = Fake::new();
+        if what.ends_with("decode-only") {
+            fake.on(P1, CHAT, engine_error(503, "busy"));
+        } else {
+            fake.on(P1, CHAT, prefill_answer());
+        }
+        let decode = match what {
+            "unreachable" => Reply::refuse(),
+            "head timeout" => Reply::hang(),
+            "broken stream" => Reply::sse().frame(ms(5), event(0)).fail(ms(5), "reset"),
+            _ => engine_error(500, "KV transfer failed"),
+        };
+        fake.on(D1, CHAT, decode);
+        let config = |c: &mut Setup| {
+            c.prefill_failure = PrefillFailure::DecodeOnly;
+            c.decode_head_timeout = ms(300);
+        };
+        let (orch, heard) = heard(&fake, &[P1], VllmNixl::new(), config);
+        if let Ok(resp) = serve(&orch, chat(&orch)).await {
+            let _ = within(resp.into_body().collect()).await;
+        }
+        assert_settled(&orch);
+        let reports = heard.reports();
+        let failed: Vec<&Report> = reports
+            .iter()
+            .filter(|r| r.decode == LegOutcome::Failed)
+            .collect();
+        let [r] = &failed[..] else {
+            panic!("{what}: one failed decode leg: {reports:?}")
+        };
+        assert_eq!(r.kv_load_suspect, suspect, "{what}: {r:?}");
     }
 }
