@@ -455,6 +455,9 @@ struct NameState {
     last: Option<Vec<EndpointSpec>>,
     /// When it last answered, with records or without (`None` before any answer).
     answered_at: Option<Instant>,
+    /// Its last lookup failed (not an answer past the endpoint ceiling, which is an
+    /// answer): its last good engines are kept for `max_stale` from `answered_at`.
+    lookups_failing: bool,
     /// The fully qualified name that first answered with records (the target's name
     /// itself, or under a search domain): the only one asked from then on, so that
     /// the search list is walked once, not at each refresh, and a failure of the name
@@ -514,6 +517,7 @@ impl Refresher {
                 target,
                 last: None,
                 answered_at: None,
+                lookups_failing: false,
                 pinned: None,
                 origins: Arc::default(),
                 due: Instant::now(),
@@ -687,6 +691,7 @@ impl Refresher {
                 }
                 state.last = Some(specs);
                 state.answered_at = Some(Instant::now());
+                state.lookups_failing = false;
                 state.origins = Arc::new(origins);
                 state.pinned = state.pinned.take().or(pin);
                 state.failures = 0;
@@ -695,6 +700,7 @@ impl Refresher {
             Err(Failure::NoRecords { negative_ttl }) => {
                 state.last = Some(Vec::new());
                 state.answered_at = Some(Instant::now());
+                state.lookups_failing = false;
                 state.origins = Arc::default();
                 // The name that answered is gone: the next lookup walks the search list
                 // again (the Service may come back under another of its names).
@@ -710,6 +716,9 @@ impl Refresher {
             // A lookup that failed, or answers past the ceiling.
             Err(failed) => {
                 self.publisher.record_error();
+                // A name that answered past the ceiling keeps its last good list (refused
+                // whole): the stale limit is for a name whose lookups fail.
+                state.lookups_failing = !matches!(failed, Failure::TooMany { .. });
                 state.failures = state.failures.saturating_add(1);
                 let wait = backoff(config.min_refresh, state.failures);
                 tracing::warn!(
@@ -1464,6 +1473,36 @@ mod tests {
     /// last good answer, and no longer: at that time (not at the next lookup) they are
     /// dropped and published so, counted once however many lookups fail after. An
     /// answer brings the engines back and starts the time again.
+    /// A name that answers past the endpoint ceiling is refused whole, its last good
+    /// list kept: the DNS works, so the stale limit (for lookups that fail) never drops
+    /// that list, however long the name stays past the ceiling.
+    #[tokio::test]
+    async fn a_name_past_the_ceiling_keeps_its_list_past_the_stale_limit() {
+        let server =
+            TestServer::start(&[("d.hole.test.", Reply::A(Ipv4Addr::new(127, 0, 0, 12)))]).await;
+        let (dns, config) = dns_at(server.addr, &[], 1);
+        let (publisher, source) = SpecSource::channel("dns");
+        let mut refresher = Refresher::new(dns, config, publisher);
+        let first = Instant::now();
+        refresh(&mut refresher).await;
+        // Past the ceiling now: the same answer, one engine over none allowed.
+        refresher.config.max_endpoints = 0;
+        refresh(&mut refresher).await;
+        assert_eq!(refresher.names[0].failures, 1, "refused");
+        refresher.config.max_stale = Duration::ZERO;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        refresher.expire();
+        refresher.publish();
+        assert!(first.elapsed() > refresher.config.max_stale);
+        assert_eq!(
+            urls(&refresher.names[0]),
+            ["http://127.0.0.12:8200"],
+            "kept"
+        );
+        assert_eq!(source.stats().expired(), 0);
+        assert_eq!(refresher.next_stale(), None, "no limit runs for it");
+    }
+
     #[tokio::test]
     async fn a_failing_names_engines_are_dropped_past_the_stale_limit() {
         let server =

@@ -175,7 +175,7 @@ impl SpecPublisher {
     /// or nothing changed): for a source that looks for changes at an interval, as the
     /// endpoints file's does ([`SourceStats::polls`]).
     pub fn record_poll(&self) {
-        self.stats.polls.fetch_add(1, Ordering::Relaxed);
+        self.stats.polls.fetch_add(1, Ordering::Release);
     }
 
     /// The source's counters.
@@ -257,7 +257,7 @@ impl SourceStats {
     /// goes on, and how many polls a claim such as "an invalid edit is counted once"
     /// has been held over.
     pub fn polls(&self) -> u64 {
-        self.polls.load(Ordering::Relaxed)
+        self.polls.load(Ordering::Acquire)
     }
 
     /// Last good lists of engines dropped for having gone without a good answer for

@@ -273,6 +273,14 @@ impl Finish {
                 report.decode =
                     failed.map_or(LegOutcome::Failed, |e| super::leg_outcome(e, decode));
                 report.outcome = decode_end(report.decode);
+                // A decode sent after a lead of the proxy's own that answered a 5xx, as
+                // a 5xx head relayed is.
+                report.kv_load_suspect = self.kv
+                    && report.prefill == LegOutcome::Answered
+                    && failed.is_some_and(|e| {
+                        e.side() == Side::Decode
+                            && e.engine_status().is_some_and(|s| s.is_server_error())
+                    });
             }
             Outcome::Cancelled => {
                 report.outcome = Outcome::Cancelled;

@@ -439,7 +439,8 @@ impl Inner {
         // The decode was handed the prefill's KV: its 5xx head may be a lost KV load.
         let kv = mark == Some("kv");
         let mut report = Report::new(route, outcome, prefill, decode, timeline);
-        report.kv_load_suspect = kv && decode == LegOutcome::Failed;
+        report.kv_load_suspect =
+            kv && prefill == LegOutcome::Answered && decode == LegOutcome::Failed;
         report.attempt = meta.attempts.saturating_sub(1);
         report.trace = meta.trace.clone();
         let summary = self.reporter.listening().then(|| {

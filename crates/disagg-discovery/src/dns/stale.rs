@@ -10,11 +10,12 @@ use super::{NameState, Refresher};
 
 impl NameState {
     /// When the name's last good engines are to be dropped: `max_stale` after its last
-    /// good answer, once a lookup has failed since (a name that answers at each refresh
-    /// keeps its engines, however long its TTL); `None` while it has no engines to
-    /// drop, or when that time is past any clock's reach.
+    /// good answer, while its lookups fail (a name that answers at each refresh keeps
+    /// its engines, however long its TTL, and so does one answering past the endpoint
+    /// ceiling); `None` while it has no engines to drop, or when that time is past any
+    /// clock's reach.
     pub(super) fn stale_at(&self, max_stale: Duration) -> Option<Instant> {
-        if self.failures == 0 || self.last.as_ref().is_none_or(Vec::is_empty) {
+        if !self.lookups_failing || self.last.as_ref().is_none_or(Vec::is_empty) {
             return None;
         }
         self.answered_at?.checked_add(max_stale)

@@ -89,10 +89,11 @@ impl Listener for Health {
                 (LegOutcome::Answered, LegOutcome::Failed) if report.kv_load_suspect => {
                     self.lost_kv(prefill, decode)
                 }
-                (LegOutcome::Answered, _) => {
-                    // Served: the KV it handed was loaded (a refusal, or a decode that
-                    // failed on its own, says nothing of it).
-                    if report.outcome == Outcome::Success {
+                (LegOutcome::Answered, decode) => {
+                    // Served by a decode: the KV it handed was loaded (a refusal, a
+                    // decode that failed on its own, or a prefill whose answer was the
+                    // whole answer or whose decode has not run yet, says nothing of it).
+                    if decode == LegOutcome::Answered && report.outcome == Outcome::Success {
                         self.kv_loaded(prefill);
                     }
                     Some(true)
