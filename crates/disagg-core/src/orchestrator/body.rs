@@ -307,6 +307,10 @@ impl Finish {
             if report.outcome != Outcome::PrefillFailed {
                 report.outcome = Outcome::DecodeFailed;
             }
+            // Its first leg ended in a 5xx error event, not continued: as a lost KV
+            // load ends a chat stream.
+            report.kv_load_suspect =
+                applied.lost_kv && self.kv && report.prefill == LegOutcome::Answered;
         }
         if applied.exempt && !applied.broke && report.decode == LegOutcome::Failed {
             // The stream of the decode this report names ended for the fresh prefill

@@ -650,7 +650,8 @@ impl Migrating {
         // names it; one that ended for its riding prefill fails the request all the same.
         let riding_failed = self.leg.failed_prefill().is_some();
         let stays = |dead: Option<Broken>| {
-            ctx.moved.stays(dead, riding_failed);
+            ctx.moved
+                .stays(dead, riding_failed, reason == Reason::ErrorFrame);
             false
         };
         if !migratable || self.finished || self.migrations >= ctx.config.limit {

@@ -54,6 +54,9 @@ struct MovedState {
     /// That stream, ended for its riding prefill, was not continued: the request's
     /// stream broke, though no engine the attempt's report names is to blame.
     prefill_broke: bool,
+    /// The leg the report names broke on its decode's error event naming a 5xx and was
+    /// not continued ([`stays`](Self::stays)).
+    broke_on_error: bool,
     /// The stream ended in the decode's error event naming a 4xx or no status: its
     /// refusal, relayed as it came and not continued.
     refused: Option<ErrorEvent>,
@@ -96,6 +99,10 @@ pub(crate) struct Applied {
     /// That leg, ended for its riding prefill, was not continued: the request's stream
     /// broke (the attempt failed), its decode not to blame.
     pub(crate) prefill_broke: bool,
+    /// The first leg (the report's own decode, the stream never moved) broke on its
+    /// decode's error event naming a 5xx and was not continued: as a lost KV load ends a
+    /// vLLM chat stream ([`Report::kv_load_suspect`]).
+    pub(crate) lost_kv: bool,
     /// The stream ended in the error event of the decode the report names, naming a
     /// 4xx or no status ([`ErrorEvent::is_server_error`]): its refusal, relayed, not
     /// continued.
@@ -129,6 +136,7 @@ impl Moved {
                 broke,
                 exempt: false,
                 prefill_broke: false,
+                lost_kv: broke && s.broke_on_error,
                 refused: s.refused,
             };
         };
@@ -146,6 +154,7 @@ impl Moved {
             broke,
             exempt: s.exempt,
             prefill_broke: s.prefill_broke,
+            lost_kv: false,
             refused: s.refused,
         }
     }
@@ -188,11 +197,15 @@ impl Moved {
     /// The leg the attempt's report names broke and the stream is not continued: its
     /// decode, `dead`, is told failed by the report; else, when the leg ended for the
     /// fresh prefill riding in its stream (`riding_failed`), the report tells the
-    /// request's stream broke, blaming no engine of its own.
-    pub(super) fn stays(&self, dead: Option<Broken>, riding_failed: bool) {
+    /// request's stream broke, blaming no engine of its own. `on_error`: the leg broke
+    /// on its decode's error event naming a 5xx.
+    pub(super) fn stays(&self, dead: Option<Broken>, riding_failed: bool, on_error: bool) {
         let mut s = self.lock();
         match dead {
-            Some(dead) => s.broken = Some(dead),
+            Some(dead) => {
+                s.broken = Some(dead);
+                s.broke_on_error = on_error;
+            }
             None => s.prefill_broke |= riding_failed,
         }
     }

@@ -641,6 +641,8 @@ async fn a_continuation_that_ends_in_an_error_event_is_told_failed() {
             (Outcome::DecodeFailed, LegOutcome::Failed),
             "{what}"
         );
+        // A continuation's decode was not handed the report's prefill's KV.
+        assert!(!d2.kv_load_suspect, "{what}: {d2:?}");
         let summary = told.summary();
         assert_eq!(summary.outcome, "error", "{what}");
         assert_eq!(summary.error, Some("decode_stream_failed"), "{what}");
@@ -670,6 +672,8 @@ async fn an_unmigratable_stream_that_ends_in_an_error_event_is_told_failed() {
         (d1.outcome, d1.decode),
         (Outcome::DecodeFailed, LegOutcome::Failed)
     );
+    // Handed the prefill's KV, it ended in a 5xx event, as a lost KV load ends a chat.
+    assert!(d1.kv_load_suspect, "{d1:?}");
     let summary = told.summary();
     assert_eq!((summary.outcome, summary.migrations), ("error", 0));
     assert_eq!(summary.error, Some("decode_stream_failed"));
