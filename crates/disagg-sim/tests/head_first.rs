@@ -203,34 +203,46 @@ async fn a_pull_that_fails_after_the_head_ends_the_stream_with_the_error_event()
     assert_eq!(counted_out(&d).await, [0, 0, 1, 0, 0]);
 }
 
-/// A streamed `/v1/messages` decode gets its head while its pull waits, as chat's does
-/// (vLLM's Anthropic route returns the chat stream generator under its converter);
-/// the pull failing after it ends the stream as vLLM's converter ends it:
-/// `message_start`, then the `error` event (500: `api_error`), nothing after.
-#[tokio::test]
-async fn a_messages_decode_whose_pull_fails_after_the_head_ends_with_the_error_event() {
+/// A streamed request to `path` (its body made of the prefill's handoff by `body`, its
+/// `x-request-id` `request_id`) whose decode gets its head while its pull is held, then
+/// sees the pull fail (the gate dropped): the answer's text, and the decode.
+async fn failed_after_the_head(
+    path: &str,
+    request_id: &str,
+    body: impl FnOnce(Value) -> Value,
+) -> (String, SimEngine) {
     let (p, d) = pair().await;
     let (params, gate) = gated_handoff(&p).await;
-    let body = json!({"model": "sim-model", "max_tokens": 5, "stream": true,
-                      "messages": [{"role": "user", "content": PROMPT}],
-                      "kv_transfer_params": params});
-    let headers = [("x-request-id", "msg-1")];
+    let headers = [("x-request-id", request_id)];
     let mut conn = Conn::open(d.addr()).await;
     let (accepted, head) = tokio::join!(
         gate.accept(),
-        send_for_head(&mut conn, "/v1/messages", &headers, body)
+        send_for_head(&mut conn, path, &headers, body(params))
     );
     let (pull, _) = accepted.unwrap();
     assert_stream_head(&head);
-    assert_eq!(head.headers()["x-request-id"], "msg-1");
+    assert_eq!(head.headers()["x-request-id"], request_id);
     assert_eq!(
         d.stats().kv_pull_failures,
         0,
         "the head came before the pull failed"
     );
     drop(pull);
-    let reply = read(head).await;
-    let text = reply.text();
+    (read(head).await.text(), d)
+}
+
+/// A streamed `/v1/messages` decode gets its head while its pull waits, as chat's does
+/// (vLLM's Anthropic route returns the chat stream generator under its converter);
+/// the pull failing after it ends the stream as vLLM's converter ends it:
+/// `message_start`, then the `error` event (500: `api_error`), nothing after.
+#[tokio::test]
+async fn a_messages_decode_whose_pull_fails_after_the_head_ends_with_the_error_event() {
+    let (text, d) = failed_after_the_head("/v1/messages", "msg-1", |params| {
+        json!({"model": "sim-model", "max_tokens": 5, "stream": true,
+               "messages": [{"role": "user", "content": PROMPT}],
+               "kv_transfer_params": params})
+    })
+    .await;
     let frames: Vec<&str> = text.split("\n\n").filter(|f| !f.is_empty()).collect();
     assert_eq!(frames.len(), 2, "{text}");
     assert!(
@@ -677,25 +689,7 @@ async fn read_rest(body: &mut hyper::body::Incoming) -> (String, Result<(), hype
 /// `[DONE]`.
 #[tokio::test]
 async fn a_cohere_decode_whose_pull_fails_after_the_head_ends_with_an_error_message_end() {
-    let (p, d) = pair().await;
-    let (params, gate) = gated_handoff(&p).await;
-    let headers = [("x-request-id", "co-1")];
-    let mut conn = Conn::open(d.addr()).await;
-    let (accepted, head) = tokio::join!(
-        gate.accept(),
-        send_for_head(&mut conn, COHERE, &headers, cohere_body(params))
-    );
-    let (pull, _) = accepted.unwrap();
-    assert_stream_head(&head);
-    assert_eq!(head.headers()["x-request-id"], "co-1");
-    assert_eq!(
-        d.stats().kv_pull_failures,
-        0,
-        "the head came before the pull failed"
-    );
-    drop(pull);
-    let reply = read(head).await;
-    let text = reply.text();
+    let (text, d) = failed_after_the_head(COHERE, "co-1", cohere_body).await;
     let frames = frames(&text);
     assert_eq!(frames.len(), 3, "{text}");
     assert_eq!(
