@@ -231,7 +231,7 @@ impl Finish {
             Outcome::Success if unfinished => {
                 report.decode = LegOutcome::Failed;
                 report.outcome = Outcome::DecodeFailed;
-                report.kv_load_suspect = self.kv;
+                report.kv_load_suspect = self.kv && report.prefill == LegOutcome::Answered;
             }
             Outcome::Success => {
                 if let Some(event) = in_band {
@@ -243,7 +243,9 @@ impl Finish {
                     report.outcome = decode_end(report.decode);
                     // Not a migrating stream's refusal (`applied.refused`): a 5xx here
                     // is the watch's.
-                    report.kv_load_suspect = self.kv && event.is_server_error();
+                    report.kv_load_suspect = self.kv
+                        && report.prefill == LegOutcome::Answered
+                        && event.is_server_error();
                 }
             }
             Outcome::PrefillFailed | Outcome::PrefillRefused => {
