@@ -478,6 +478,29 @@ async fn the_orchestrator_reports_each_leg_so_a_dead_prefill_is_ejected_by_traff
     assert_eq!(p.stats().requests, 8);
 }
 
+/// A proxy over `endpoints` (NIXL, round-robin on each leg) whose health ejects an
+/// endpoint after three failures in a row, for a minute: its inner source (the set
+/// before health), the health, the proxy's URL and its stop.
+async fn ejecting_after_three(
+    endpoints: Vec<Endpoint>,
+) -> (
+    Arc<StaticSource>,
+    Arc<disagg_resilience::health::Health>,
+    String,
+    oneshot::Sender<()>,
+) {
+    let inner = Arc::new(StaticSource::new(endpoints));
+    let mut config = passive(Duration::from_secs(60));
+    config.failure_threshold = 3;
+    let source = HealthSource::new(Arc::clone(&inner), config);
+    let health = Arc::clone(source.health());
+    let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new())
+        .router(PerLeg::both(RoundRobin::new))
+        .build();
+    let (url, stop) = serve_proxy(orchestrator).await;
+    (inner, health, url, stop)
+}
+
 /// A prefill whose side channel no decode can reach (it advertises a host where nothing
 /// listens): every decode it hands KV to fails its load and answers 500, which blames
 /// the decode. Round-robin over two prefills and three decodes hands the bad prefill's
@@ -509,15 +532,7 @@ async fn a_prefill_whose_kv_no_decode_can_load_is_ejected_not_the_decodes() {
             .iter()
             .map(|d| Endpoint::new(&d.url(), Role::Decode).unwrap()),
     );
-    let inner = Arc::new(StaticSource::new(endpoints));
-    let mut config = passive(Duration::from_secs(60));
-    config.failure_threshold = 3;
-    let source = HealthSource::new(Arc::clone(&inner), config);
-    let health = Arc::clone(source.health());
-    let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new())
-        .router(PerLeg::both(RoundRobin::new))
-        .build();
-    let (url, _stop) = serve_proxy(orchestrator).await;
+    let (inner, health, url, _stop) = ejecting_after_three(endpoints).await;
 
     let mut failed = Vec::new();
     for i in 0..16 {
@@ -591,15 +606,7 @@ async fn decodes_that_fail_on_their_own_are_ejected_not_their_prefill() {
             .iter()
             .map(|d| Endpoint::new(&d.url(), Role::Decode).unwrap()),
     );
-    let inner = Arc::new(StaticSource::new(endpoints));
-    let mut config = passive(Duration::from_secs(60));
-    config.failure_threshold = 3;
-    let source = HealthSource::new(Arc::clone(&inner), config);
-    let health = Arc::clone(source.health());
-    let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new())
-        .router(PerLeg::both(RoundRobin::new))
-        .build();
-    let (url, _stop) = serve_proxy(orchestrator).await;
+    let (inner, health, url, _stop) = ejecting_after_three(endpoints).await;
 
     let mut failed = 0;
     for i in 0..12 {
@@ -636,19 +643,12 @@ async fn unreachable_decodes_are_ejected_never_their_prefill() {
     let p = SimEngine::start(SimConfig::default()).await.unwrap();
     let (a, _held_a) = held_dead_url();
     let (b, _held_b) = held_dead_url();
-    let inner = Arc::new(StaticSource::new([
+    let (inner, health, url, _stop) = ejecting_after_three(vec![
         Endpoint::new(&p.url(), Role::Prefill).unwrap(),
         Endpoint::new(&a, Role::Decode).unwrap(),
         Endpoint::new(&b, Role::Decode).unwrap(),
-    ]));
-    let mut config = passive(Duration::from_secs(60));
-    config.failure_threshold = 3;
-    let source = HealthSource::new(Arc::clone(&inner), config);
-    let health = Arc::clone(source.health());
-    let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new())
-        .router(PerLeg::both(RoundRobin::new))
-        .build();
-    let (url, _stop) = serve_proxy(orchestrator).await;
+    ])
+    .await;
 
     for i in 0..6 {
         let a = post(
