@@ -150,6 +150,13 @@ impl Finish {
         }
     }
 
+    /// Whether the decode's failure, answered as a lost KV load answers (`answered_so`),
+    /// may be one ([`Report::kv_load_suspect`]): it was handed the prefill's KV, and the
+    /// prefill's leg answered.
+    fn lost_kv(&self, report: &Report, answered_so: bool) -> bool {
+        answered_so && self.kv && report.prefill == LegOutcome::Answered
+    }
+
     /// Whether the answer relayed is the prefill's refusal (a 4xx passed through).
     pub(super) fn refusal(&self) -> bool {
         self.report
@@ -231,7 +238,7 @@ impl Finish {
             Outcome::Success if unfinished => {
                 report.decode = LegOutcome::Failed;
                 report.outcome = Outcome::DecodeFailed;
-                report.kv_load_suspect = self.kv && report.prefill == LegOutcome::Answered;
+                report.kv_load_suspect = self.lost_kv(&report, true);
             }
             Outcome::Success => {
                 if let Some(event) = in_band {
@@ -243,9 +250,7 @@ impl Finish {
                     report.outcome = decode_end(report.decode);
                     // Not a migrating stream's refusal (`applied.refused`): a 5xx here
                     // is the watch's.
-                    report.kv_load_suspect = self.kv
-                        && report.prefill == LegOutcome::Answered
-                        && event.is_server_error();
+                    report.kv_load_suspect = self.lost_kv(&report, event.is_server_error());
                 }
             }
             Outcome::PrefillFailed | Outcome::PrefillRefused => {
@@ -277,12 +282,11 @@ impl Finish {
                 report.outcome = decode_end(report.decode);
                 // A decode sent after a lead of the proxy's own that answered a 5xx, as
                 // a 5xx head relayed is.
-                report.kv_load_suspect = self.kv
-                    && report.prefill == LegOutcome::Answered
-                    && failed.is_some_and(|e| {
-                        e.side() == Side::Decode
-                            && e.engine_status().is_some_and(|s| s.is_server_error())
-                    });
+                let answered_5xx = failed.is_some_and(|e| {
+                    e.side() == Side::Decode
+                        && e.engine_status().is_some_and(|s| s.is_server_error())
+                });
+                report.kv_load_suspect = self.lost_kv(&report, answered_5xx);
             }
             Outcome::Cancelled => {
                 report.outcome = Outcome::Cancelled;
@@ -311,8 +315,7 @@ impl Finish {
             }
             // Its first leg ended in a 5xx error event, not continued: as a lost KV
             // load ends a chat stream.
-            report.kv_load_suspect =
-                applied.lost_kv && self.kv && report.prefill == LegOutcome::Answered;
+            report.kv_load_suspect = self.lost_kv(&report, applied.lost_kv);
         }
         if applied.exempt && !applied.broke && report.decode == LegOutcome::Failed {
             // The stream of the decode this report names ended for the fresh prefill
