@@ -75,9 +75,13 @@ static FINDER: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(KEY));
 /// [`SHAPES`] and the `data:` field name before it.
 const TAIL: usize = 64;
 
-/// Most bytes of an error event's line read to learn its code; an event longer than
-/// that is an error of unknown code.
-pub const MAX_ERROR_EVENT: usize = 4096;
+/// Most bytes of an error event's line read to learn its code (64 KiB); an event longer
+/// than that is an error of unknown code. vLLM writes the `code` after the `message`,
+/// and a message can carry an exception's whole text: a ceiling of a few KiB read such a
+/// 5xx as an error of no status, the engine's failure as a refusal. The line is kept
+/// only once an error event is found, one per stream, so a stream without one costs
+/// nothing of it.
+pub const MAX_ERROR_EVENT: usize = 64 * 1024;
 
 /// An error event an engine sent in its stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -476,6 +480,18 @@ data: [DONE]\n\n";
         assert_eq!(
             watched(long.as_bytes(), &[100, 2000]).map(|e| e.status()),
             Some(None)
+        );
+        // A 5xx whose message holds an exception's long text (16 KiB, its code after
+        // it, as vLLM writes them), cut in frames: read, the engine's failure.
+        let traced = format!(
+            "data: {{\"error\": {{\"message\": \"{}\", \"type\": \"InternalServerError\", \"param\": null, \"code\": 503}}}}\n\n",
+            "Traceback line\\n".repeat(1024)
+        );
+        let cuts: Vec<usize> = (1..traced.len()).step_by(1500).collect();
+        let event = watched(traced.as_bytes(), &cuts);
+        assert_eq!(
+            event.map(|e| (e.status(), e.is_server_error())),
+            Some((Some(503), true))
         );
     }
 
