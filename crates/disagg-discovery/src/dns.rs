@@ -50,13 +50,14 @@
 //! fails beside one without records fails the lookup; a family that fails beside one
 //! with records keeps its own last good addresses (of that name, or that SRV target and
 //! port) beside the other's new ones, each at most `max_stale` after its family last
-//! answered with it (then dropped, logged and counted once), is counted each time,
-//! logged as it starts (a warning) and ends, and the name is asked again with a failed
-//! lookup's backoff (within the answer's TTL), from `min_refresh` again once the family
-//! answers. The
-//! addresses kept for this are each origin's distinct ones, at most the ceiling per
-//! source in all for a name: an origin past it is not remembered (a family of it that
-//! fails keeps none), its answer still taken. An address both families give (an
+//! answered with it (then dropped at that time, not at the next lookup, whether the
+//! name answers meanwhile, fails, or answers past the ceiling: logged and counted
+//! once), is counted each time, logged as it starts (a warning) and ends, and the name
+//! is asked again with a failed lookup's backoff (within the answer's TTL), from
+//! `min_refresh` again once the family answers. The addresses kept for this are each
+//! origin's distinct ones, at most the ceiling per source in all for a name: an origin
+//! past it is not remembered (a family of it that fails keeps none), its answer still
+//! taken. An address both families give (an
 //! IPv4-mapped IPv6 address, `::ffff:a.b.c.d`, is the IPv4 address it maps) is one
 //! engine: a name's engines are one per address and port.
 //!
@@ -111,7 +112,7 @@ mod outcome;
 mod search;
 mod stale;
 use engines::Engines;
-use outcome::{Failure, FamilyFailure, Origins, Resolved};
+use outcome::{Failure, FamilyFailure, Kept, Origins, Resolved};
 use search::{first_answer, search_list};
 
 /// The default source name of DNS discovery (the `source` label of its metrics).
@@ -280,7 +281,8 @@ pub struct DnsConfig {
     pub first_list_wait: Duration,
     /// How long a name whose lookups fail keeps its last good engines, counted from its
     /// last good answer (and an address family failing beside one that answers, its
-    /// last good addresses, from the family's last answer with each): 1 h by default,
+    /// last good addresses, from the family's last answer with each, even while the name
+    /// answers past the endpoint ceiling): 1 h by default,
     /// the default of CoreDNS's `serve_stale` (how long its cache answers with expired
     /// records while the upstream fails). Past it the engines are dropped, logged and
     /// counted once ([`SourceStats::expired`](crate::SourceStats::expired)): a server
@@ -467,6 +469,9 @@ struct NameState {
     /// The addresses each origin gave in the last good answer (the name's own, or each
     /// SRV target's): a family that fails beside one that answers keeps its own.
     origins: Arc<Origins>,
+    /// The engines among `last` only as a failed family's last good addresses, each
+    /// dropped `max_stale` after its family last answered with it.
+    kept: Kept,
     /// When to resolve it next.
     due: Instant,
     /// Failed lookups in a row.
@@ -520,6 +525,7 @@ impl Refresher {
                 lookups_failing: false,
                 pinned: None,
                 origins: Arc::default(),
+                kept: Kept::new(),
                 due: Instant::now(),
                 failures: 0,
                 half_failures: 0,
@@ -625,9 +631,18 @@ impl Refresher {
                 passed_over,
                 failed,
                 origins,
-                expired,
+                kept,
+                stale,
             }) => {
-                if expired {
+                // Left out past their limit: counted unless the limit dropped them
+                // while the lookup was under way.
+                if state.holds_any(&stale) {
+                    tracing::warn!(
+                        name = %state.target.name,
+                        addresses = stale.len(),
+                        max_stale = ?config.max_stale,
+                        "DNS lookups of one address family have failed for longer than its addresses are kept after their last good answer; dropping them"
+                    );
                     self.publisher.record_expired();
                 }
                 let mut due = Instant::now() + bound(ttl);
@@ -693,6 +708,7 @@ impl Refresher {
                 state.answered_at = Some(Instant::now());
                 state.lookups_failing = false;
                 state.origins = Arc::new(origins);
+                state.kept = kept;
                 state.pinned = state.pinned.take().or(pin);
                 state.failures = 0;
                 state.due = due;
@@ -702,6 +718,7 @@ impl Refresher {
                 state.answered_at = Some(Instant::now());
                 state.lookups_failing = false;
                 state.origins = Arc::default();
+                state.kept.clear();
                 // The name that answered is gone: the next lookup walks the search list
                 // again (the Service may come back under another of its names).
                 state.pinned = None;
@@ -795,7 +812,8 @@ async fn resolve(
                     passed_over: None,
                     failed: None,
                     origins: Origins::new(),
-                    expired: false,
+                    kept: Kept::new(),
+                    stale: Vec::new(),
                 });
             }
             let walked =
@@ -899,12 +917,16 @@ pub fn srv_weight(weight: u16) -> f64 {
     if weight == 0 { 0.01 } else { f64::from(weight) }
 }
 
-fn spec(target: &DnsTarget, ip: IpAddr, port: u16) -> EndpointSpec {
-    let url = match ip {
+/// The URL of the engine at `ip` and `port`.
+fn url(ip: IpAddr, port: u16) -> String {
+    match ip {
         IpAddr::V4(v4) => format!("http://{v4}:{port}"),
         IpAddr::V6(v6) => format!("http://[{v6}]:{port}"),
-    };
-    let mut spec = EndpointSpec::new(url, target.role);
+    }
+}
+
+fn spec(target: &DnsTarget, ip: IpAddr, port: u16) -> EndpointSpec {
+    let mut spec = EndpointSpec::new(url(ip, port), target.role);
     spec.models.clone_from(&target.models);
     if target.role == Role::Prefill
         && let Some(port) = target.bootstrap_port
@@ -1427,6 +1449,167 @@ mod tests {
         assert!(source.stats().errors() >= 4, "each failure counted");
     }
 
+    /// A refresher asking `server` about `d.hole.test:8200`, whose AAAA records gave
+    /// `fd00::<last>` `ago`, and what it publishes; after a first refresh, the name
+    /// answering its A record while its AAAA lookups fail (SERVFAIL): both engines.
+    async fn family_failing_since(
+        server: &TestServer,
+        v4: Ipv4Addr,
+        ago: Duration,
+    ) -> (Refresher, SpecSource, Instant) {
+        let (dns, config) = dns_at(server.addr, &[], 1);
+        let (publisher, source) = SpecSource::channel("dns");
+        let mut refresher = Refresher::new(dns, config, publisher);
+        let answered = Instant::now().checked_sub(ago).unwrap();
+        let origin = (Name::from_utf8("d.hole.test.").unwrap(), 8200);
+        let v6: IpAddr = format!("fd00::{}", v4.octets()[3]).parse().unwrap();
+        refresher.names[0].origins = Arc::new(Origins::from([(origin, vec![(v6, answered)])]));
+        refresh(&mut refresher).await;
+        refresher.publish();
+        assert_eq!(published(&source).len(), 2, "both families' engines");
+        (refresher, source, answered)
+    }
+
+    /// What `source` publishes, as URLs.
+    fn published(source: &SpecSource) -> Vec<String> {
+        let specs = source.watch().borrow().clone().unwrap_or_default();
+        specs.iter().map(|s| s.url.clone()).collect()
+    }
+
+    /// A failing family's last good addresses are dropped at their own limit,
+    /// `max_stale` after the family last answered with them, not at the name's next
+    /// lookup (an hour off here): the other family's answers keep the name from being
+    /// stale, so only the family's own deadline can wake the source.
+    #[tokio::test]
+    async fn a_failing_familys_addresses_are_dropped_at_their_limit_not_at_the_next_lookup() {
+        let ip = Ipv4Addr::new(127, 0, 0, 16);
+        let server = TestServer::start(&[("d.hole.test.", Reply::AServFailsAaaa(ip))]).await;
+        let (mut refresher, source, answered) =
+            family_failing_since(&server, ip, Duration::from_secs(10)).await;
+        // The family's limit ends 300 ms from now at the latest.
+        let max_stale = answered.elapsed() + Duration::from_millis(300);
+        refresher.config.max_stale = max_stale;
+        refresher.names[0].due = Instant::now() + Duration::from_secs(3600);
+        let errors = source.stats().errors();
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while published(&source).len() > 1 {
+                refresher.step().await;
+            }
+        })
+        .await
+        .expect("the family's addresses dropped at their limit, not at the next lookup");
+        assert!(
+            Instant::now() >= answered + max_stale,
+            "not before the limit"
+        );
+        assert_eq!(published(&source), ["http://127.0.0.16:8200"]);
+        assert_eq!(source.stats().errors(), errors, "no lookup ran meanwhile");
+        assert_eq!(source.stats().expired(), 1);
+        assert_eq!(refresher.next_stale(), None, "nothing more to drop");
+        // The next lookup, the family failing on: nothing more dropped, nor counted.
+        refresh(&mut refresher).await;
+        refresher.expire();
+        assert_eq!(urls(&refresher.names[0]), ["http://127.0.0.16:8200"]);
+        assert_eq!(source.stats().expired(), 1, "counted once");
+    }
+
+    /// A name whose lookups fail after an answer in which one family failed: that
+    /// family's addresses are dropped at their own limit, not kept until the name's
+    /// (`max_stale` after its last answer, later); the name's engines then go at
+    /// theirs, counted once more.
+    #[tokio::test]
+    async fn a_failing_familys_addresses_keep_their_limit_when_the_name_fails() {
+        let ip = Ipv4Addr::new(127, 0, 0, 17);
+        let server = TestServer::start(&[("d.hole.test.", Reply::AServFailsAaaa(ip))]).await;
+        let (mut refresher, source, answered) =
+            family_failing_since(&server, ip, Duration::from_secs(10)).await;
+        server.set("d.hole.test.", Reply::ServFail);
+        refresh(&mut refresher).await;
+        assert_eq!(refresher.names[0].failures, 1);
+        // The family's limit ends 300 ms from now at the latest, the name's 10 s later.
+        let max_stale = answered.elapsed() + Duration::from_millis(300);
+        refresher.config.max_stale = max_stale;
+        refresher.names[0].due = Instant::now() + Duration::from_secs(3600);
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while published(&source).len() > 1 {
+                refresher.step().await;
+            }
+        })
+        .await
+        .expect("the family's addresses dropped at their own limit, not the name's");
+        assert_eq!(published(&source), ["http://127.0.0.17:8200"]);
+        assert_eq!(source.stats().expired(), 1);
+        // The name's own limit: its last engine dropped, counted once more.
+        let name_answered = refresher.names[0].answered_at.unwrap();
+        refresher.config.max_stale = name_answered.elapsed();
+        refresher.expire();
+        assert!(urls(&refresher.names[0]).is_empty());
+        assert_eq!(source.stats().expired(), 2);
+    }
+
+    /// A name answering past the endpoint ceiling keeps its last good list, but not a
+    /// failed family's addresses in it past their limit: nothing has answered with
+    /// them since.
+    #[tokio::test]
+    async fn a_name_past_the_ceiling_drops_a_failed_familys_addresses_at_their_limit() {
+        let ip = Ipv4Addr::new(127, 0, 0, 18);
+        let server = TestServer::start(&[("d.hole.test.", Reply::AServFailsAaaa(ip))]).await;
+        let (mut refresher, source, answered) =
+            family_failing_since(&server, ip, Duration::from_secs(10)).await;
+        refresher.config.max_endpoints = 0;
+        refresh(&mut refresher).await;
+        assert_eq!(refresher.names[0].failures, 1, "refused");
+        let max_stale = answered.elapsed() + Duration::from_millis(300);
+        refresher.config.max_stale = max_stale;
+        refresher.names[0].due = Instant::now() + Duration::from_secs(3600);
+        let limit = refresher.next_stale().expect("the family's limit runs");
+        assert!(limit <= answered + max_stale);
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while published(&source).len() > 1 {
+                refresher.step().await;
+            }
+        })
+        .await
+        .expect("the family's addresses dropped at their limit");
+        assert_eq!(published(&source), ["http://127.0.0.18:8200"]);
+        assert_eq!(source.stats().expired(), 1);
+        assert_eq!(refresher.next_stale(), None, "the name's list kept");
+    }
+
+    /// A failing family's addresses are dropped at their limit while a lookup waits
+    /// (its AAAA query unanswered, for the 2 s timeout), and counted once: not again
+    /// when that lookup, begun before the limit, ends past it.
+    #[tokio::test]
+    async fn a_failing_familys_limit_runs_while_a_lookup_waits_and_counts_once() {
+        let ip = Ipv4Addr::new(127, 0, 0, 19);
+        let server = TestServer::start(&[("d.hole.test.", Reply::AServFailsAaaa(ip))]).await;
+        let (mut refresher, source, answered) =
+            family_failing_since(&server, ip, Duration::from_secs(10)).await;
+        server.set("d.hole.test.", Reply::ADropsAaaa(ip));
+        refresher.config.max_stale = answered.elapsed() + Duration::from_millis(300);
+        refresher.names[0].due = Instant::now();
+        let errors = source.stats().errors();
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while published(&source).len() > 1 {
+                refresher.step().await;
+            }
+        })
+        .await
+        .expect("dropped");
+        assert!(refresher.names[0].looking_up, "while the lookup waits");
+        assert_eq!(source.stats().errors(), errors);
+        assert_eq!(source.stats().expired(), 1);
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while source.stats().errors() == errors {
+                refresher.step().await;
+            }
+        })
+        .await
+        .expect("the lookup's outcome, its AAAA query timed out");
+        assert_eq!(published(&source), ["http://127.0.0.19:8200"]);
+        assert_eq!(source.stats().expired(), 1, "counted once");
+    }
+
     /// A family failing beside one that answers is asked again with a backoff, as a
     /// failed lookup is: after `min_refresh`, then twice and four times as long (within
     /// the records' TTL, 60 s here), each time an error counted; once the family
@@ -1644,6 +1827,40 @@ mod tests {
         assert_eq!(total, max, "remembered in all");
         assert!(resolved.origins.contains_key(&(host(0), 8200)));
         assert!(!resolved.origins.contains_key(&(host(10), 8200)));
+    }
+
+    /// An engine a failed family keeps of one SRV target is no kept engine when
+    /// another target answers with it (its limit is then that answer's, the name's);
+    /// kept of two targets, its limit runs from the later of their families' answers.
+    #[test]
+    fn an_engine_another_origin_answers_with_is_not_kept() {
+        let target = DnsTarget::new(DnsName::Srv("_h._tcp.hole.test".into()), Role::Decode);
+        let host = |t: usize| Name::from_utf8(format!("t{t}.hole.test.")).unwrap();
+        let (one, two): (IpAddr, IpAddr) = ("fd00::1".parse().unwrap(), "fd00::2".parse().unwrap());
+        let old = Instant::now();
+        let older = old.checked_sub(Duration::from_secs(1)).unwrap();
+        let last = Origins::from([
+            ((host(0), 8200), vec![(one, older), (two, older)]),
+            ((host(1), 8200), vec![(two, old)]),
+        ]);
+        let mut engines = Engines::new(&target, &last, 100, Duration::MAX);
+        let aaaa_failed = || Some((true, Failure::NoRecords { negative_ttl: None }));
+        for (t, ips, failed) in [
+            (0, vec!["127.0.0.1".parse().unwrap()], aaaa_failed()),
+            (1, vec!["127.0.0.2".parse().unwrap()], aaaa_failed()),
+            (2, vec![one], None),
+        ] {
+            let found = Addresses {
+                ips,
+                until: Instant::now(),
+                failed,
+            };
+            engines.add((host(t), 8200), found, None).unwrap();
+        }
+        let resolved = engines.resolved(Instant::now(), host(0), None);
+        assert_eq!(resolved.specs.len(), 4);
+        assert_eq!(resolved.kept, Kept::from([((two, 8200), old)]));
+        assert!(resolved.stale.is_empty());
     }
 
     #[test]

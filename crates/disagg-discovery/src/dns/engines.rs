@@ -8,7 +8,9 @@ use std::time::Duration;
 use hickory_resolver::proto::rr::Name;
 use tokio::time::Instant;
 
-use super::outcome::{Addresses, Failure, FamilyFailure, Origin, Origins, Resolved};
+use super::outcome::{
+    Addresses, Failure, FamilyFailure, Kept, Origin, Origins, Remembered, Resolved,
+};
 use super::{DnsTarget, spec};
 use crate::spec::EndpointSpec;
 
@@ -39,8 +41,10 @@ pub(super) struct Engines<'a> {
     remembered: usize,
     /// The origins not remembered, for being past `max`.
     forgotten: usize,
-    /// Whether a failed family's addresses were dropped for being past `max_stale`.
-    expired: bool,
+    /// The engines there only as a failed family's last good addresses.
+    kept: Kept,
+    /// The failed families' addresses left out for being past `max_stale`.
+    stale: Vec<Remembered>,
 }
 
 impl<'a> Engines<'a> {
@@ -61,14 +65,16 @@ impl<'a> Engines<'a> {
             origins: Origins::new(),
             remembered: 0,
             forgotten: 0,
-            expired: false,
+            kept: Kept::new(),
+            stale: Vec::new(),
         }
     }
 
     /// Adds the engines of `origin`'s addresses `found` (at its port, weighing
     /// `weight`) and, when a family failed beside them, that family's addresses from
     /// `origin`'s last good answer, those that answered within `max_stale` (the others
-    /// are dropped, logged). More engines than `max` is [`Failure::TooMany`].
+    /// are left out, [`Resolved::stale`]). More engines than `max` is
+    /// [`Failure::TooMany`].
     pub(super) fn add(
         &mut self,
         origin: Origin,
@@ -77,6 +83,7 @@ impl<'a> Engines<'a> {
     ) -> Result<(), Failure> {
         let now = Instant::now();
         let mut ips: Vec<(IpAddr, Instant)> = found.ips.into_iter().map(|ip| (ip, now)).collect();
+        let failed_v6 = found.failed.as_ref().map(|(v6, _)| *v6);
         if let Some((v6, error)) = found.failed {
             // The family's last good addresses, those answered within `max_stale`.
             let kept = self.last.get(&origin).into_iter().flatten();
@@ -84,17 +91,8 @@ impl<'a> Engines<'a> {
                 .copied()
                 .filter(|(ip, _)| ip.is_ipv6() == v6)
                 .partition(|(_, at)| at.checked_add(self.max_stale).is_none_or(|end| end > now));
-            if !stale.is_empty() {
-                tracing::warn!(
-                    name = %self.target.name,
-                    asked = %origin.0,
-                    family = if v6 { "AAAA" } else { "A" },
-                    addresses = stale.len(),
-                    max_stale = ?self.max_stale,
-                    "DNS lookups of one address family have failed for longer than its addresses are kept after their last good answer; dropping them"
-                );
-                self.expired = true;
-            }
+            self.stale
+                .extend(stale.into_iter().map(|(ip, at)| (origin.clone(), ip, at)));
             ips.extend(fresh);
             self.failed.get_or_insert(FamilyFailure {
                 name: origin.0.clone(),
@@ -106,11 +104,23 @@ impl<'a> Engines<'a> {
         let mut distinct = HashSet::with_capacity(ips.len());
         ips.retain(|(ip, _)| distinct.insert(*ip));
         let port = origin.1;
-        let new: Vec<IpAddr> = ips
-            .iter()
-            .map(|(ip, _)| ip.to_canonical())
-            .filter(|ip| self.seen.insert((*ip, port)))
-            .collect();
+        let mut new: Vec<IpAddr> = Vec::new();
+        for &(ip, at) in &ips {
+            let engine = (ip.to_canonical(), port);
+            // Of the failed family (kept), or of the one that answered (fresh).
+            let kept = failed_v6 == Some(ip.is_ipv6());
+            if self.seen.insert(engine) {
+                new.push(engine.0);
+                if kept {
+                    self.kept.insert(engine, at);
+                }
+            } else if !kept {
+                // Answered now, by this origin, whatever another one kept of it.
+                self.kept.remove(&engine);
+            } else if let Some(since) = self.kept.get_mut(&engine) {
+                *since = (*since).max(at);
+            }
+        }
         let found = self.specs.len() + new.len();
         if found > self.max {
             return Err(Failure::TooMany {
@@ -156,7 +166,8 @@ impl<'a> Engines<'a> {
             passed_over,
             failed: self.failed,
             origins: self.origins,
-            expired: self.expired,
+            kept: self.kept,
+            stale: self.stale,
         }
     }
 }

@@ -30,10 +30,13 @@ pub(super) struct Resolved {
     /// The addresses each origin gave (the failed families' kept ones included): what
     /// the next lookup keeps of a family that fails.
     pub(super) origins: Origins,
-    /// Whether a failed family's last good addresses were dropped, past `max_stale`
-    /// after their last good answer (logged where dropped, counted once for the
-    /// lookup).
-    pub(super) expired: bool,
+    /// The engines among `specs` only as a failed family's last good addresses, each
+    /// with when its family last answered with it: dropped at their own limit.
+    pub(super) kept: Kept,
+    /// The failed families' last good addresses left out, past `max_stale` after their
+    /// last good answer: logged and counted when the name still held them (not when
+    /// its stale limit dropped them while the lookup was under way).
+    pub(super) stale: Vec<Remembered>,
 }
 
 /// An address family that failed beside one that answered with records.
@@ -54,6 +57,16 @@ pub(super) type Origin = (Name, u16);
 /// it: a family whose lookup fails beside one that answers keeps its addresses from
 /// here, for at most `max_stale` after that answer.
 pub(super) type Origins = HashMap<Origin, Vec<(IpAddr, Instant)>>;
+
+/// One address remembered of an origin, with when its family last answered with it.
+pub(super) type Remembered = (Origin, IpAddr, Instant);
+
+/// A name's engines (address, as its engine has it, and port) that are among its
+/// engines only as the last good addresses of a family that failed, each with when its
+/// family last answered with it (the latest, when several origins give it): each is
+/// dropped `max_stale` after that, whatever the name's later lookups give (an answer
+/// with the family refreshes it).
+pub(super) type Kept = HashMap<(IpAddr, u16), Instant>;
 
 /// A name's addresses.
 pub(super) struct Addresses {
