@@ -15,7 +15,8 @@ use crate::limits::{batch_len, check_batch, check_context};
 use crate::surface::Loras;
 
 /// An error answered in vLLM's shape:
-/// `{"error":{"message":..,"type":..,"param":null,"code":..}}`.
+/// `{"error":{"message":..,"type":..,"param":null,"code":..}}`, or in SGLang's
+/// ([`ApiError::in_sglang_shape`]).
 #[derive(Debug, Error)]
 #[error("{message}")]
 pub(crate) struct ApiError {
@@ -23,6 +24,8 @@ pub(crate) struct ApiError {
     pub(crate) message: String,
     /// The error's `param`, when vLLM names the field.
     pub(crate) param: Option<&'static str>,
+    /// Written as SGLang's `ErrorResponse` rather than vLLM's error.
+    sglang: bool,
 }
 
 impl ApiError {
@@ -31,7 +34,15 @@ impl ApiError {
             status,
             message: message.into(),
             param: None,
+            sglang: false,
         }
+    }
+
+    /// The same error, written as SGLang answers a request its scheduler aborted
+    /// ([`crate::kv_load_failure::sglang_error_body`]).
+    pub(crate) fn in_sglang_shape(mut self) -> Self {
+        self.sglang = true;
+        self
     }
 
     pub(crate) fn bad_request(message: impl Into<String>) -> Self {
@@ -40,6 +51,9 @@ impl ApiError {
 
     /// The JSON body of the error.
     pub(crate) fn body(&self) -> Vec<u8> {
+        if self.sglang {
+            return crate::kv_load_failure::sglang_error_body(self);
+        }
         #[derive(Serialize)]
         struct Inner<'a> {
             message: &'a str,

@@ -263,6 +263,8 @@ pub(crate) struct SseBody {
     choice_prompt_tokens: Vec<u64>,
     /// The error event that ends the answer in place of its tokens and usage (JSON).
     error: Option<String>,
+    /// [`SseSpec::usage_after_error`].
+    usage_after_error: bool,
     /// Whether hyper had a chance to flush the events before the abort.
     abort_flushed: bool,
     finished: bool,
@@ -303,6 +305,9 @@ pub(crate) struct SseSpec {
     /// stream generators answer a request that finished with an error
     /// ([`crate::kv_load_failure`]). The choices then have no tokens.
     pub(crate) error: Option<String>,
+    /// The usage chunk (when `usage` is set) follows the error event, before
+    /// `data: [DONE]`, as SGLang's stream generators write it after an aborted output.
+    pub(crate) usage_after_error: bool,
 }
 
 impl SseBody {
@@ -339,6 +344,7 @@ impl SseBody {
             choice_prompt_ids: spec.choice_prompt_ids,
             choice_prompt_tokens: spec.choice_prompt_tokens,
             error: spec.error,
+            usage_after_error: spec.usage_after_error,
             abort_flushed: false,
             finished: false,
         };
@@ -513,7 +519,12 @@ impl SseBody {
                 s.push_str("data: ");
                 s.push_str(self.error.as_deref().unwrap_or("null"));
                 s.push_str("\n\n");
-                (s, Some(Phase::Done))
+                let next = if self.usage_after_error && self.usage.is_some() {
+                    Phase::Usage
+                } else {
+                    Phase::Done
+                };
+                (s, Some(next))
             }
             Phase::Done => {
                 s.push_str("data: [DONE]\n\n");

@@ -495,7 +495,8 @@ pub enum SimRole {
 /// | `GET /health` fails | `health_status` |
 /// | an encoder's answer without its `ec_transfer_params` (E/P/D) | `ec_withhold_params` |
 /// | KV-ready notification late, lost or repeated (LMCache) | `notify_delay`, `notify_loss`, `notify_duplicates` |
-/// | bootstrap never met (SGLang, Mooncake) | a decode whose prefill never gets the request: it answers 500 after [`SimConfig::bootstrap_timeout`] (a streamed vLLM decode: its 200 head at once, the failure in its stream then), counted in [`Stats::bootstrap_timeouts`](crate::Stats::bootstrap_timeouts) |
+/// | bootstrap never met (SGLang, Mooncake) | a decode whose prefill never gets the request: it fails after [`SimConfig::bootstrap_timeout`], counted in [`Stats::bootstrap_timeouts`](crate::Stats::bootstrap_timeouts): a 500 (a streamed vLLM decode: its 200 head at once, the failure in its stream then) |
+/// | a decode's failed KV transfer, as SGLang answers it (wrong room, host or port, prefill gone, bootstrap timeout) | an SGLang decode ([`KvMode::Sglang`]) fails it as SGLang 0.5.23 does: not streamed, a 500 `{"object":"error","message":..,"type":"500","param":null,"code":500}`; a streamed `/generate`, its 200 head at once, then one event per element whose `meta_info.finish_reason` is `{"type":"abort","message":..,"status_code":500,"err_type":null}`, then `data: [DONE]`; a streamed chat or completions request, a 200 head with the failure, `data: {"error": {..., "type": "INTERNAL_SERVER_ERROR", ..., "code": 500}}`, the usage chunk if asked for, then `data: [DONE]` (the `kv_load_failure` module's facts in the source) |
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Faults {
     /// Answer every completion request with this HTTP status and a vLLM

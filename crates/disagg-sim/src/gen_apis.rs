@@ -666,7 +666,7 @@ pub(crate) fn failed_cohere_events(request_id: &str, error: &ApiError) -> VecDeq
 
 /// `s` as Python's `json.dumps` writes a string: JSON's escapes, and every character
 /// outside printable ASCII as `\uXXXX` (UTF-16 units, lowercase hex: `ensure_ascii`).
-fn python_json_str(s: &str) -> String {
+pub(crate) fn python_json_str(s: &str) -> String {
     let json = Value::from(s).to_string();
     let mut out = String::with_capacity(json.len());
     for c in json.chars() {

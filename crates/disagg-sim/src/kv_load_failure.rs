@@ -1,4 +1,5 @@
-//! What vLLM streams for a decode whose KV load fails.
+//! What vLLM streams for a decode whose KV load fails, and what SGLang answers (see
+//! [SGLang](#sglang) below).
 //!
 //! With `kv_load_failure_policy="fail"` (vLLM 0.33's default, `vllm/config/kv_transfer.py`)
 //! a connector reports the blocks it could not load (`get_block_ids_with_load_errors`:
@@ -85,7 +86,46 @@
 //! leaves meanwhile drops the fetch, and the request counts as cancelled (a NIXL decode
 //! tells its prefill to free the blocks, as on any abort before the pull ended).
 //!
-//! Not modelled:
+//! # SGLang
+//!
+//! SGLang 0.5.23's decode scheduler aborts a request whose transfer failed
+//! (`disaggregation/decode.py`: `KVPoll.Failed` in the handshake or the transfer
+//! queue, `prepare_abort` with `HTTPStatus.INTERNAL_SERVER_ERROR`), and its tokenizer
+//! manager reads the finish reason `{"type": "abort", "message", "status_code": 500,
+//! "err_type": null}` (`FINISH_ABORT.to_json`, `managers/schedule_batch.py`) in
+//! `_handle_abort_finish_reason` (`managers/tokenizer_manager.py`): not streamed it
+//! raises an `HTTPException(500)`, streamed it yields the aborted output and stops. So,
+//! on a decode ([`crate::KvMode::Sglang`]):
+//!
+//! * **Not streamed** (`/generate`, chat, completions): a 500 whose body is SGLang's
+//!   `ErrorResponse`, `{"object":"error","message":…,"type":"500","param":null,
+//!   "code":500}` ([`ApiError::in_sglang_shape`]).
+//! * **`/generate` streamed**: `serve_generate_request` (`entrypoints/http_server.py`)
+//!   returns its `StreamingResponse` before the engine runs, so the 200 head goes out
+//!   at once, before the fetch ([`head_first`]); the stream is then one event per
+//!   element (`index` in a batch) with no text, no `output_ids` and that abort as
+//!   `meta_info.finish_reason`, then `data: [DONE]`
+//!   ([`crate::native::aborted_stream`]).
+//! * **Chat and completions streamed** (`entrypoints/openai/serving_chat.py`,
+//!   `serving_completions.py`): the handler awaits its generator's first output before
+//!   it returns the `StreamingResponse` (a "kick-start"), so the 200 head comes with
+//!   the failure; an abort whose `status_code` is an `HTTPStatus` becomes one error
+//!   event, `data: {"error": {"object": "error", "message": …, "type":
+//!   "INTERNAL_SERVER_ERROR", "param": null, "code": 500}}` (`json.dumps`), with no
+//!   role chunk; the loop is left with `break`, so the usage chunk still follows when
+//!   asked for (no completion token), then `data: [DONE]`.
+//!
+//! The simulator's message says why, as above; SGLang's is `Decode transfer failed
+//! for request rank=… decode_req.req.rid=… decode_req.req.bootstrap_room=… with
+//! exception …` (or `Decode handshake failed …`). SGLang's `/v1/messages` and
+//! `/v1/responses` keep the simulator's 500 in the head (not modelled here), as does
+//! the refusal of a request whose samples share a room (`n` > 1, refused before the
+//! fetch). Not modelled either: SGLang with `SGLANG_USE_PICKLE_IPC=0` (msgpack between
+//! its processes; pickle is the default), where the status code reaches the chat and
+//! completions generators as a plain `int`, no error event is written and the stream
+//! ends with a chunk whose `finish_reason` is `"abort"`.
+//!
+//! # Not modelled (vLLM)
 //!
 //! * the engine core's death on a NIXL decode's `remote_block_ids` that name no block
 //!   (`assert num_external_tokens == 0` in vLLM's scheduler, after the head): the
@@ -127,7 +167,7 @@ use serde_json::Value;
 
 use crate::api::{ApiError, CompletionRequest};
 use crate::body::{Endpoint, EventsBody, SimBody, SseBody, SseSpec};
-use crate::config::KvMode;
+use crate::config::{Faults, KvMode};
 use crate::gen_apis::GenApi;
 use crate::generate::{Finish, Generation};
 use crate::stats::RequestGuard;
@@ -149,16 +189,37 @@ pub(crate) struct StreamIds<'a> {
 
 /// Whether a request whose KV load failed is answered with a stream
 /// ([`stream`]): a streamed chat, completions, `/v1/messages`, `/cohere/v2/chat` or
-/// `/v1/responses` request to a vLLM engine. Such a request's head goes out before its
-/// KV is loaded ([`head_first`]).
+/// `/v1/responses` request to a vLLM engine, or a streamed chat, completions or
+/// `/generate` request to an SGLang one ([`sglang_answers`]).
 pub(crate) fn streamed(mode: KvMode, request: &CompletionRequest) -> bool {
+    if sglang_answers(mode, request) {
+        return request.stream;
+    }
     let api = !matches!(request.gen_api, Some(GenApi::TokenIn));
     mode.is_vllm() && request.stream && api && request.native.is_none()
 }
 
+/// Whether a [`streamed`] request that may fetch KV gets its 200 head before the fetch
+/// ([`head_first`]): every such vLLM request, as vLLM returns its stream generator
+/// before the engine ran; of SGLang's, only `/generate`'s, whose `StreamingResponse`
+/// is returned at once (`entrypoints/http_server.py` `serve_generate_request`), while
+/// the chat and completions handlers await their generator's first output before they
+/// return theirs (their "kick-start").
+pub(crate) fn head_before_kv(mode: KvMode, request: &CompletionRequest) -> bool {
+    streamed(mode, request) && (mode.is_vllm() || request.native.is_some())
+}
+
+/// Whether a failed KV transfer is answered as SGLang 0.5.23 answers it (see the
+/// module's documentation): a request to an SGLang engine on `/generate`, chat or
+/// completions. Its other routes (`/v1/messages`, `/v1/responses`) keep the 500 in
+/// their head.
+fn sglang_answers(mode: KvMode, request: &CompletionRequest) -> bool {
+    !mode.is_vllm() && request.gen_api.is_none()
+}
+
 /// The answer to a request whose KV load failed with `error`: the stream of [`stream`]
-/// where vLLM streams the failure ([`streamed`]), else the error itself (answered
-/// before any head).
+/// where the engine streams the failure ([`streamed`]), else the error itself (answered
+/// before any head; in SGLang's shape where SGLang answers it).
 pub(crate) fn answer(
     mode: KvMode,
     request: &CompletionRequest,
@@ -167,7 +228,9 @@ pub(crate) fn answer(
     guard: RequestGuard,
 ) -> Result<Response<SimBody>, (ApiError, RequestGuard)> {
     if streamed(mode, request) {
-        Ok(stream(request, &error, ids, guard))
+        Ok(stream(mode, request, &error, ids, guard))
+    } else if sglang_answers(mode, request) {
+        Err((error.in_sglang_shape(), guard))
     } else {
         Err((error, guard))
     }
@@ -176,11 +239,15 @@ pub(crate) fn answer(
 /// The streamed answer of a [`streamed`] request whose KV load failed with `error`: a
 /// 200 head, then what the module's documentation says.
 pub(crate) fn stream(
+    mode: KvMode,
     request: &CompletionRequest,
     error: &ApiError,
     ids: StreamIds<'_>,
     guard: RequestGuard,
 ) -> Response<SimBody> {
+    if sglang_answers(mode, request) {
+        return sglang_stream(request, error, ids, guard);
+    }
     match request.gen_api {
         Some(GenApi::Messages) => return messages_stream(request, error, ids, guard),
         Some(GenApi::Cohere) => {
@@ -233,10 +300,105 @@ pub(crate) fn stream(
         choice_prompt_ids: Vec::new(),
         choice_prompt_tokens,
         error: event,
+        usage_after_error: false,
     };
     sse_response(
         SimBody::Sse(Box::new(SseBody::new(spec, guard))),
         ids.header_id,
+    )
+}
+
+/// The streamed answer of an SGLang chat, completions or `/generate` request whose KV
+/// transfer failed with `error` (the module's documentation): for `/generate`, each
+/// element's abort event then `data: [DONE]` ([`crate::native::aborted_stream`]); for
+/// chat and completions, SGLang's error event, the usage chunk when asked for (the
+/// first aborted element's prompt, no completion token), then `data: [DONE]`.
+fn sglang_stream(
+    request: &CompletionRequest,
+    error: &ApiError,
+    ids: StreamIds<'_>,
+    guard: RequestGuard,
+) -> Response<SimBody> {
+    if let Some(native) = request.native {
+        let events = crate::native::aborted_stream(request, native, &ids.request_id, error);
+        let events = crate::body::Events::Native(Box::new(events));
+        let body = EventsBody::new(events, std::time::Duration::ZERO, None, guard);
+        return sse_response(SimBody::Events(Box::new(body)), ids.header_id);
+    }
+    let prompt_tokens = request.prompts.first().map_or(0, |p| p.len() as u64);
+    let spec = SseSpec {
+        endpoint: request.endpoint,
+        id: ids.id,
+        created: ids.created,
+        model_json: ids.model_json,
+        choices: Vec::new(),
+        usage: request.include_usage.then_some((prompt_tokens, 0)),
+        cached_tokens: None,
+        delay: std::time::Duration::ZERO,
+        drop_after: None,
+        stall_after: None,
+        handoff: None,
+        prompt_token_ids: None,
+        return_token_ids: false,
+        choice_prompt_ids: Vec::new(),
+        choice_prompt_tokens: Vec::new(),
+        error: Some(sglang_stream_event(error)),
+        usage_after_error: true,
+    };
+    sse_response(
+        SimBody::Sse(Box::new(SseBody::new(spec, guard))),
+        ids.header_id,
+    )
+}
+
+/// `error` as SGLang 0.5.23 answers an `HTTPException` its tokenizer manager raised for
+/// a request its scheduler aborted with a status ([`ApiError::in_sglang_shape`]): its
+/// `ErrorResponse` at the top level, `{"object":"error","message":..,"type":"500",
+/// "param":null,"code":500}`, the `type` being the status code as a string
+/// (`entrypoints/openai/serving_base.py` `handle_request` on the OpenAI routes,
+/// `entrypoints/http_server.py`'s `HTTPException` handler on `/generate`).
+pub(crate) fn sglang_error_body(error: &ApiError) -> Vec<u8> {
+    #[derive(serde::Serialize)]
+    struct ErrorResponse<'a> {
+        object: &'static str,
+        message: &'a str,
+        #[serde(rename = "type")]
+        kind: String,
+        param: Option<&'a str>,
+        code: u16,
+    }
+    let body = ErrorResponse {
+        object: "error",
+        message: &error.message,
+        kind: error.status.as_u16().to_string(),
+        param: error.param,
+        code: error.status.as_u16(),
+    };
+    serde_json::to_vec(&body).unwrap_or_default()
+}
+
+/// The error event SGLang 0.5.23's chat and completions stream generators write for an
+/// output its scheduler aborted with `error`'s status (`create_streaming_error_response`
+/// in `entrypoints/openai/serving_base.py`): `{"error": ...}` around its
+/// `ErrorResponse`, whose `type` is the status's `HTTPStatus` name
+/// (`INTERNAL_SERVER_ERROR`), written by Python's `json.dumps` (its spacing;
+/// non-ASCII escaped).
+fn sglang_stream_event(error: &ApiError) -> String {
+    let name: String = error
+        .status
+        .canonical_reason()
+        .unwrap_or("UNKNOWN")
+        .chars()
+        .map(|c| match c {
+            ' ' | '-' => '_',
+            c => c.to_ascii_uppercase(),
+        })
+        .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .collect();
+    format!(
+        r#"{{"error": {{"object": "error", "message": {}, "type": "{name}", "param": null, "code": {}}}}}"#,
+        crate::gen_apis::python_json_str(&error.message),
+        error.status.as_u16()
     )
 }
 
@@ -283,11 +445,23 @@ fn responses_stream(
 /// `StreamingResponse` sends its head then, and each event the generator yields before
 /// it awaits the engine. A client leaving meanwhile drops `work` where it stands, as
 /// vLLM aborts the request.
+///
+/// `faults` that stop the stream within its opening events
+/// ([`Faults::drop_after_chunks`], [`Faults::stall_after_chunks`]) stop the opening
+/// there: what is left of it is the body's `work` makes, which applies them, so that the
+/// stream puts as many events on the wire before its cut or stall as one whose head
+/// waits for its work does.
 pub(crate) fn head_first(
     opening: VecDeque<Bytes>,
+    faults: &Faults,
     work: impl Future<Output = SimBody> + Send + 'static,
     header_id: Option<&str>,
 ) -> Response<SimBody> {
+    let mut opening = opening;
+    let stop = [faults.drop_after_chunks, faults.stall_after_chunks];
+    if let Some(n) = stop.into_iter().flatten().min() {
+        opening.truncate(n);
+    }
     let sent = opening.len();
     let work = async move { work.await.skipping_events(sent) };
     let deferred = crate::body::Deferred::new(opening, Box::pin(work));
@@ -315,5 +489,41 @@ pub(crate) fn no_tokens() -> Generation {
         ids: Vec::new(),
         finish: Finish::Stop,
         stop_reason: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http::StatusCode;
+
+    use super::*;
+
+    /// The expected texts are Python's: `json.dumps` of SGLang's streamed
+    /// `ErrorResponse`, typed by the status's `HTTPStatus` name.
+    #[test]
+    fn sglang_error_event_is_written_as_json_dumps_writes_it() {
+        let message = "KV \"é\" ☃ 𝄞";
+        let cases = [
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "INTERNAL_SERVER_ERROR",
+                500,
+            ),
+            (StatusCode::SERVICE_UNAVAILABLE, "SERVICE_UNAVAILABLE", 503),
+        ];
+        for (status, name, code) in cases {
+            let event = sglang_stream_event(&ApiError::new(status, message));
+            assert_eq!(
+                event,
+                format!(
+                    r#"{{"error": {{"object": "error", "message": "KV \"\u00e9\" \u2603 \ud834\udd1e", "type": "{name}", "param": null, "code": {code}}}}}"#
+                )
+            );
+        }
+        let body = ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "é").in_sglang_shape();
+        assert_eq!(
+            String::from_utf8(body.body()).unwrap(),
+            r#"{"object":"error","message":"é","type":"500","param":null,"code":500}"#
+        );
     }
 }

@@ -276,9 +276,10 @@
 //! message is `"Internal server error"`; the simulator's says why. Streamed, a
 //! `/v1/messages` or `/cohere/v2/chat` decode ends with its route's error event, and a
 //! `/v1/responses` one is cut off after its opening events, as vLLM's converters of
-//! those routes make them (the `kv_load_failure` module's facts in the source). An
-//! SGLang decode, and a decode on vLLM's `/inference/v1/generate` (its stream's
-//! failure is not modelled), answer the 500 before any response head. As vLLM's, the
+//! those routes make them (the `kv_load_failure` module's facts in the source). A
+//! decode on vLLM's `/inference/v1/generate` (its stream's failure is not modelled)
+//! answers the 500 before any response head. An SGLang decode fails as SGLang 0.5.23
+//! does (see [SGLang](#sglang-kvmodesglang-concurrent-by-bootstrap-room)). As vLLM's, the
 //! 200 head of a streamed vLLM decode on any other of these routes that may fetch KV (a
 //! NIXL pull or push decode, a Mooncake decode named a transfer, and any LMCache
 //! decode, one that then prefills itself included) goes out before the fetch is tried,
@@ -374,7 +375,18 @@
 //!   (SGLang's default). It takes the KV of every element's room from
 //!   `bootstrap_host:bootstrap_port`, all at once, within its own
 //!   [`SimConfig::bootstrap_timeout`], checks it against its own prompt and
-//!   generates normally.
+//!   generates normally. A failed transfer (nobody at the address, not a bootstrap
+//!   server, no such room within the timeout, KV of another prompt) aborts the
+//!   request as SGLang 0.5.23's decode does (finish reason `{"type": "abort",
+//!   "message": "KV transfer failed: ...", "status_code": 500, "err_type": null}`):
+//!   not streamed, a 500 in SGLang's `ErrorResponse` shape,
+//!   `{"object":"error","message":...,"type":"500","param":null,"code":500}`; a
+//!   streamed `/generate` gets its 200 head before the fetch, then one event per
+//!   element with that finish reason in `meta_info` (no text, no token) and
+//!   `data: [DONE]`; a streamed chat or completions request gets its 200 head with the
+//!   failure, one `data: {"error": {...}}` event (`"type": "INTERNAL_SERVER_ERROR"`,
+//!   `"code": 500`), the usage chunk if asked for, then `data: [DONE]`. A client
+//!   relaying such a stream must not count it served for its `200` or its `[DONE]`.
 //!
 //! ## vLLM Mooncake ([`KvMode::Mooncake`]): concurrent, by transfer id
 //!

@@ -17,7 +17,8 @@
 //!   `text` and `output_ids` hold everything generated so far (SGLang's default,
 //!   non-incremental streaming), with `"index"` for a batch, then `data: [DONE]`;
 //! - `meta_info` holds `id`, `finish_reason` (`{"type": "length", "length": n}` or
-//!   `{"type": "stop", "matched": token id or stop string}`, null until the end),
+//!   `{"type": "stop", "matched": token id or stop string}`, null until the end; a
+//!   decode whose KV transfer failed: `{"type": "abort", ...}`, see [`aborted_stream`]),
 //!   `prompt_tokens`, `completion_tokens`, `cached_tokens`, and with `return_logprob`
 //!   `input_token_logprobs` and `output_token_logprobs` (`[logprob, token id, null]`
 //!   entries) and `output_token_logprobs_length`.
@@ -229,6 +230,9 @@ pub(crate) struct Answer {
     /// `cached_tokens` of the request, all elements together.
     pub(crate) cached_tokens: u64,
     pub(crate) started: Instant,
+    /// The finish reason of every element in place of its own: the request was
+    /// aborted ([`aborted_stream`]).
+    pub(crate) abort: Option<Value>,
 }
 
 impl Answer {
@@ -243,10 +247,11 @@ impl Answer {
         };
         let k = k.min(choice.ids.len());
         let done = k == choice.ids.len();
-        let finish = done.then(|| match (choice.finish, &choice.stop_reason) {
-            (Finish::Length, _) => json!({"type": "length", "length": choice.ids.len()}),
-            (Finish::Stop, Some(stop)) => json!({"type": "stop", "matched": stop}),
-            (Finish::Stop, None) => json!({"type": "stop", "matched": EOS_TOKEN_ID}),
+        let finish = done.then(|| match (&self.abort, choice.finish, &choice.stop_reason) {
+            (Some(abort), _, _) => abort.clone(),
+            (None, Finish::Length, _) => json!({"type": "length", "length": choice.ids.len()}),
+            (None, Finish::Stop, Some(stop)) => json!({"type": "stop", "matched": stop}),
+            (None, Finish::Stop, None) => json!({"type": "stop", "matched": EOS_TOKEN_ID}),
         });
         let id = if self.native.batch {
             format!("{}-{e}", self.request_id)
@@ -487,6 +492,7 @@ pub(crate) fn answer(
         computed_prompt: parts.computed_prompt,
         cached_tokens: parts.cached_tokens.unwrap_or(0),
         started: std::time::Instant::now(),
+        abort: None,
     };
     let internal =
         |e: serde_json::Error| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
@@ -517,6 +523,44 @@ pub(crate) fn answer(
         )),
         Err(e) => Err((internal(e), guard)),
     }
+}
+
+/// The stream of a `/generate` request its decode aborted with `error` (a failed KV
+/// transfer: [`crate::kv_load_failure`]), as SGLang 0.5.23 writes it: one event per
+/// element (each with its `index` in a batch), no text and no token, whose
+/// `meta_info.finish_reason` is the abort (`FINISH_ABORT.to_json()` in
+/// `managers/schedule_batch.py`: `type` `abort`, the `message`, the `status_code`,
+/// `err_type` null), then `data: [DONE]` (`entrypoints/http_server.py`
+/// `serve_generate_request`, after the tokenizer manager yielded the aborted output).
+pub(crate) fn aborted_stream(
+    request: &CompletionRequest,
+    native: Native,
+    request_id: &str,
+    error: &ApiError,
+) -> NativeStream {
+    let samples = request.n.max(1) as usize;
+    let elements = request.prompts.len().max(1) * samples;
+    let answer = Answer {
+        native,
+        request_id: request_id.to_owned(),
+        prompts: request.prompts.clone(),
+        choices: (0..elements)
+            .map(|_| crate::kv_load_failure::no_tokens())
+            .collect(),
+        samples,
+        index_override: None,
+        // A decode: the prompt's KV was to come from the prefill.
+        computed_prompt: false,
+        cached_tokens: 0,
+        started: Instant::now(),
+        abort: Some(json!({
+            "type": "abort",
+            "message": error.message,
+            "status_code": error.status.as_u16(),
+            "err_type": null,
+        })),
+    };
+    answer.stream(None)
 }
 
 #[cfg(test)]
@@ -629,6 +673,7 @@ mod tests {
             computed_prompt: true,
             cached_tokens: 0,
             started: Instant::now(),
+            abort: None,
         };
         let v: Value = serde_json::from_slice(&a.whole().unwrap()).unwrap();
         assert_eq!(v["text"], " the of");

@@ -2260,8 +2260,9 @@ type NixlPull = Option<Result<kv::PullTarget, KvTransferError>>;
 /// any work: a NIXL pull decode's engine core dying, the release notices armed. A
 /// streamed vLLM decode ([`crate::kv_load_failure::streamed`]) whose plan may fetch KV (a
 /// NIXL pull or push, a Mooncake transfer, any LMCache decode) or waits for KV nobody
-/// sends gets its head at once and is served in its body, as vLLM's
-/// ([`crate::kv_load_failure::head_first`]).
+/// sends, and a streamed SGLang `/generate` decode
+/// ([`crate::kv_load_failure::head_before_kv`]), gets its head at once and is served in
+/// its body, as vLLM's and SGLang's are ([`crate::kv_load_failure::head_first`]).
 async fn serve_or_defer(
     inner: &Arc<Inner>,
     request: CompletionRequest,
@@ -2307,9 +2308,13 @@ async fn serve_or_defer(
         || nixl_pull.is_some()
         || matches!(
             plan,
-            Plan::PushDecode { .. } | Plan::MooncakeDecode(_) | Plan::LmcacheDecode
+            Plan::PushDecode { .. }
+                | Plan::MooncakeDecode(_)
+                | Plan::LmcacheDecode
+                | Plan::SglangDecode(_)
         );
-    if !(remote_kv && crate::kv_load_failure::streamed(config.kv_mode, &request)) {
+    let mode = config.kv_mode;
+    if !(remote_kv && crate::kv_load_failure::head_before_kv(mode, &request)) {
         let ids = (request_id.as_str(), header_id.as_deref());
         let pull = (nixl_pull, stuck);
         return serve_completion(inner, &request, plan, pull, ids, rank, faults, guard).await;
@@ -2341,12 +2346,13 @@ async fn serve_or_defer(
             // An error after the head is the stream's, as vLLM's generator raises it.
             Err((e, guard)) => {
                 let ids = stream_ids(&inner, &request, ids.0, ids.1);
-                crate::kv_load_failure::stream(&request, &e, ids, guard).into_body()
+                crate::kv_load_failure::stream(mode, &request, &e, ids, guard).into_body()
             }
         }
     };
     Ok(crate::kv_load_failure::head_first(
         opening,
+        &faults,
         work,
         head_id.as_deref(),
     ))
@@ -2781,6 +2787,7 @@ async fn serve_completion(
                 Vec::new()
             },
             error: None,
+            usage_after_error: false,
         };
         let mut response = Response::new(SimBody::Sse(Box::new(SseBody::new(spec, guard))));
         let headers = response.headers_mut();

@@ -309,8 +309,8 @@ async fn sglang_null_port_means_8998() {
     body["bootstrap_room"] = json!(1);
     // Nothing to take there: refused, or not a bootstrap server, or no such room.
     let r = post(d.addr(), CHAT, &body).await;
-    assert_kv_failure(&r, "");
-    let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert_sglang_transfer_failed(&r, "");
+    let message = sglang_error_message(&r);
     assert!(
         message.contains("127.0.0.1:8998") || message.contains("no prefill for room 1"),
         "{message}"
@@ -336,16 +336,16 @@ async fn sglang_wrong_peer_fails_the_transfer() {
         both(pa, body(5, port), da, other_prompt),
     );
     assert!(start.elapsed() < Duration::from_millis(1500));
-    assert_kv_failure(
+    assert_sglang_transfer_failed(
         &wrong_host.1,
         &format!("cannot reach bootstrap server 127.0.0.1:{unused}"),
     );
     assert_kv_failure(&wrong_host.0, "no decode took room 1 within 300ms");
-    assert_kv_failure(&wrong_port.1, "not an SGLang bootstrap server");
+    assert_sglang_transfer_failed(&wrong_port.1, "not an SGLang bootstrap server");
     assert_kv_failure(&wrong_port.0, "no decode took room 2");
-    assert_kv_failure(&wrong_room.1, "no prefill for room 4");
+    assert_sglang_transfer_failed(&wrong_room.1, "no prefill for room 4");
     assert_kv_failure(&wrong_room.0, "no decode took room 3");
-    assert_kv_failure(&wrong_kv.1, "do not match the prompt");
+    assert_sglang_transfer_failed(&wrong_kv.1, "do not match the prompt");
     assert_eq!(wrong_kv.0.status, 200, "{}", wrong_kv.0.text());
 
     let (ps, ds) = (p.stats(), d.stats());
@@ -379,7 +379,7 @@ async fn sglang_room_is_taken_once_and_registered_once() {
     // One decode takes it, the next finds nothing.
     assert_eq!(post(d.addr(), CHAT, &body).await.status, 200);
     assert_eq!(first.await.unwrap().status, 200);
-    assert_kv_failure(&post(d.addr(), CHAT, &body).await, "no prefill for room 42");
+    assert_sglang_transfer_failed(&post(d.addr(), CHAT, &body).await, "no prefill for room 42");
     assert_eq!(p.stats().kv_transfers_pending, 0);
 }
 
@@ -395,7 +395,7 @@ async fn sglang_prefill_client_leaving_withdraws_its_rooms() {
     let s = wait_for(&p, |s| s.active_requests == 0).await;
     assert_eq!((s.cancelled, s.kv_transfers_pending), (1, 0));
     // The rooms are gone.
-    assert_kv_failure(
+    assert_sglang_transfer_failed(
         &post(d.addr(), COMPLETIONS, &body).await,
         "no prefill for room",
     );
@@ -839,7 +839,7 @@ async fn bootstrap_never_met_is_a_counted_timeout() {
     let (p, d) = sglang_pair().await;
     let start = Instant::now();
     let reply = post(d.addr(), CHAT, &sglang_body(chat(PROMPT, 4), &p, json!(77))).await;
-    assert_kv_failure(&reply, "no prefill for room 77");
+    assert_sglang_transfer_failed(&reply, "no prefill for room 77");
     assert!(start.elapsed() >= WAIT);
     let ds = d.stats();
     assert_eq!(

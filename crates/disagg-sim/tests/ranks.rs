@@ -330,7 +330,7 @@ async fn sglang_prefill_pinned_off_its_room_is_a_follow_bootstrap_room_conflict(
         "follow_bootstrap_room conflict: dispatched to dp_rank 1 but bootstrap_room 10 implies dp_rank 0",
     );
     // The decode looks for room 10 on rank 0, where it never comes.
-    assert_transfer_failed(&dr, "room 10 was not registered on dp rank 0");
+    assert_sglang_transfer_failed(&dr, "room 10 was not registered on dp rank 0");
     assert!(started.elapsed() >= WAIT);
     let ps = p.stats();
     assert_eq!(ps.dp_rank_conflicts, 1);
@@ -405,7 +405,7 @@ async fn sglang_decode_told_the_prefill_rank_meets_it_anywhere() {
         (&[], json!({"disagg_prefill_dp_rank": 0})),
     )
     .await;
-    assert_transfer_failed(&dr, "room 30 was not registered on dp rank 0");
+    assert_sglang_transfer_failed(&dr, "room 30 was not registered on dp rank 0");
     // Its prefill waited for a decode that never came to its rank.
     assert_transfer_failed(&pr, "no decode took room 30");
 
@@ -414,7 +414,7 @@ async fn sglang_decode_told_the_prefill_rank_meets_it_anywhere() {
     let mut body = sglang_body(chat(4), &p, 40);
     body["disagg_prefill_dp_rank"] = json!(5);
     let dr = post(d.addr(), CHAT, &body).await;
-    assert_transfer_failed(&dr, "could not fetch bootstrap info for prefill_dp_rank 5");
+    assert_sglang_transfer_failed(&dr, "could not fetch bootstrap info for prefill_dp_rank 5");
     assert!(started.elapsed() < WAIT);
     wait_for(&p, |s| {
         s.kv_transfers_pending == 0 && s.active_requests == 0

@@ -474,7 +474,7 @@ async fn generate_with_a_wrong_room_fails_on_both_sides() {
     );
     assert_eq!((pr.status, dr.status), (500, 500));
     assert!(
-        error_message(&dr).contains("no prefill for room 2"),
+        sglang_error_message(&dr).contains("no prefill for room 2"),
         "{}",
         dr.text()
     );

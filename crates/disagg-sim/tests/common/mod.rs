@@ -208,6 +208,17 @@ pub fn assert_transfer_failed(reply: &Reply, why: &str) {
     );
 }
 
+/// An SGLang decode's failed KV transfer: its 500 in SGLang's `ErrorResponse` shape
+/// ([`sglang_error_message`]), the simulator's message saying `why`.
+pub fn assert_sglang_transfer_failed(reply: &Reply, why: &str) {
+    assert_eq!(reply.status, 500, "{}", reply.text());
+    let message = sglang_error_message(reply);
+    assert!(
+        message.starts_with("KV transfer failed") && message.contains(why),
+        "{message:?} does not say {why:?}"
+    );
+}
+
 /// POSTs JSON with extra headers.
 pub async fn post_with(
     addr: SocketAddr,
@@ -240,4 +251,16 @@ pub async fn pair() -> (SimEngine, SimEngine) {
     .await
     .unwrap();
     (prefill, decode)
+}
+
+/// The `message` of an error answer in SGLang's `ErrorResponse` shape
+/// (`{"object":"error","message":..,"type":"<status>","param":null,"code":<status>}`,
+/// as an SGLang decode answers a failed KV transfer; status, type and code checked
+/// to agree).
+pub fn sglang_error_message(reply: &Reply) -> String {
+    let v = reply.json();
+    assert_eq!(v["object"], "error", "{v}");
+    assert_eq!(v["code"], reply.status, "{v}");
+    assert_eq!(v["type"], reply.status.to_string(), "{v}");
+    v["message"].as_str().unwrap().to_owned()
 }
