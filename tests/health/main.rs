@@ -489,13 +489,27 @@ async fn ejecting_after_three(
     String,
     oneshot::Sender<()>,
 ) {
+    ejecting_after_three_with(endpoints, OrchestratorConfig::default()).await
+}
+
+/// [`ejecting_after_three`] with the orchestrator's `config`.
+async fn ejecting_after_three_with(
+    endpoints: Vec<Endpoint>,
+    config: OrchestratorConfig,
+) -> (
+    Arc<StaticSource>,
+    Arc<disagg_resilience::health::Health>,
+    String,
+    oneshot::Sender<()>,
+) {
     let inner = Arc::new(StaticSource::new(endpoints));
-    let mut config = passive(Duration::from_secs(60));
-    config.failure_threshold = 3;
-    let source = HealthSource::new(Arc::clone(&inner), config);
+    let mut health_config = passive(Duration::from_secs(60));
+    health_config.failure_threshold = 3;
+    let source = HealthSource::new(Arc::clone(&inner), health_config);
     let health = Arc::clone(source.health());
     let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new())
         .router(PerLeg::both(RoundRobin::new))
+        .config(config)
         .build();
     let (url, stop) = serve_proxy(orchestrator).await;
     (inner, health, url, stop)
@@ -577,6 +591,86 @@ async fn a_prefill_whose_kv_no_decode_can_load_is_ejected_not_the_decodes() {
     }
     let failures: u64 = decodes.iter().map(|d| d.stats().kv_pull_failures).sum();
     assert_eq!(failures, 4, "each failure was a lost KV load");
+}
+
+/// The rule above with mid-stream migration on (decode-only continuations): a streamed
+/// chat whose decode cannot load the bad prefill's KV gets vLLM's 200 head and then an
+/// error event naming a 500, and the stream is continued on another decode, which
+/// recomputes the prompt: every client gets its whole answer. The first decode is told
+/// failed, with its KV suspect, by a report of its own; the attempt's report names the
+/// decode the answer moved to, which was never handed the prefill's KV, and says
+/// nothing of the prefill (its success used to wipe the count against it, so the bad
+/// prefill was never ejected and the decodes took every blame).
+#[tokio::test]
+async fn with_migration_a_prefill_whose_kv_no_decode_can_load_is_still_ejected() {
+    let good = SimEngine::start(SimConfig::default()).await.unwrap();
+    let bad = SimEngine::start(SimConfig {
+        advertised_host: "127.0.0.2".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let decodes = [
+        SimEngine::start(SimConfig::default()).await.unwrap(),
+        SimEngine::start(SimConfig::default()).await.unwrap(),
+        SimEngine::start(SimConfig::default()).await.unwrap(),
+    ];
+    let mut endpoints = vec![
+        Endpoint::new(&good.url(), Role::Prefill).unwrap(),
+        Endpoint::new(&bad.url(), Role::Prefill).unwrap(),
+    ];
+    endpoints.extend(
+        decodes
+            .iter()
+            .map(|d| Endpoint::new(&d.url(), Role::Decode).unwrap()),
+    );
+    let mut config = OrchestratorConfig::default();
+    config.migration.limit = 1;
+    config.migration.decode_only = true;
+    let (inner, health, url, _stop) = ejecting_after_three_with(endpoints, config).await;
+
+    for i in 0..16 {
+        let a = post(
+            &url,
+            "/v1/chat/completions",
+            chat(&format!("m{i}"), 4, true),
+            &[],
+        )
+        .await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        let events = a.events();
+        assert_eq!(
+            events.last().map(String::as_str),
+            Some("[DONE]"),
+            "{events:?}"
+        );
+        assert!(
+            !a.text().contains("\"error\""),
+            "the lost load was continued, not relayed: {}",
+            a.text()
+        );
+    }
+    let set = inner.snapshot();
+    let bad_ep = Arc::clone(&set.by_role(Role::Prefill)[1]);
+    assert!(
+        matches!(health.state(&bad_ep), Some(EndpointHealth::Ejected { .. })),
+        "{:?}",
+        health.state(&bad_ep)
+    );
+    for ep in set.by_role(Role::Prefill)[..1]
+        .iter()
+        .chain(set.by_role(Role::Decode))
+    {
+        assert_eq!(
+            health.state(ep),
+            Some(EndpointHealth::Healthy),
+            "{}",
+            ep.id()
+        );
+    }
+    // Its first failure says nothing of it, the next three count: four lost loads.
+    let failures: u64 = decodes.iter().map(|d| d.stats().kv_pull_failures).sum();
+    assert_eq!(failures, 4, "each continued stream was a lost KV load");
 }
 
 /// The other side of the rule above: two decodes that fail every request (answering

@@ -171,8 +171,17 @@ pub struct Report {
     /// naming a 5xx or ended without its answer (a completions stream with no finish
     /// reason). Only then may the KV it was handed be what failed (vLLM answers a load
     /// it could not make as its own 500); `false` for a decode that could not be
-    /// reached, timed out or broke off its stream, and for every other outcome.
+    /// reached, timed out or broke off its stream, and for every other outcome. A first
+    /// decode whose stream broke so and was continued on another decode (mid-stream
+    /// migration) is told so by the report that tells it failed, whose prefill leg is
+    /// [`NotSent`](LegOutcome::NotSent) (the attempt's report tells that leg).
     pub kv_load_suspect: bool,
+    /// The answer moved, by mid-stream migration, to the decode [`route`](Self::route)
+    /// names: that decode was never handed this attempt's prefill KV (a continuation
+    /// recomputes the prompt, or loads a fresh prefill's), so the answer's end says
+    /// nothing of it. The report that told the first decode failed carried what its KV
+    /// did ([`kv_load_suspect`](Self::kv_load_suspect)).
+    pub moved: bool,
 }
 
 impl Report {
@@ -195,6 +204,7 @@ impl Report {
             phases: Phases::default(),
             trace: None,
             kv_load_suspect: false,
+            moved: false,
         }
     }
 }

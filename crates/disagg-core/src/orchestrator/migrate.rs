@@ -247,6 +247,9 @@ pub(crate) struct Ctx {
     /// prefill is the same client's request.
     pub(crate) client: Option<Arc<str>>,
     pub(crate) moved: Arc<Moved>,
+    /// The first leg's decode was handed the prefill's KV, which answered: its stream
+    /// breaking as a lost KV load ends one may be that KV's fault ([`Broken::lost_kv`]).
+    pub(crate) handed_kv: bool,
     /// Continuations go through a fresh prefill (the request was disaggregated and the
     /// policy allows it); `None`: decode-only.
     pub(crate) through_prefill: Option<ThroughPrefill>,
@@ -589,12 +592,15 @@ impl Migrating {
     /// continuation that could not start: no report of the attempt names it); else,
     /// when a continuation starts, once the stream moves on (the attempt's report then
     /// names another decode), and when the stream ends first, or no continuation
-    /// starts, by the attempt's report, which names it.
+    /// starts, by the attempt's report, which names it. `lost_kv_shape`: the leg broke
+    /// as a vLLM stream whose KV load failed ends (an error event naming a 5xx, or a
+    /// `[DONE]` before the answer finished).
     fn migrate(
         &mut self,
         reason: Reason,
         dead: Option<(Arc<Endpoint>, LegTimes)>,
         always: bool,
+        lost_kv_shape: bool,
     ) -> bool {
         let ctx = Arc::clone(&self.ctx);
         let at = now();
@@ -605,6 +611,7 @@ impl Migrating {
             times,
             at,
             first_leg,
+            lost_kv: first_leg && lost_kv_shape && ctx.handed_kv,
         });
         let dead = match dead {
             Some(dead) if always => {
@@ -650,8 +657,7 @@ impl Migrating {
         // names it; one that ended for its riding prefill fails the request all the same.
         let riding_failed = self.leg.failed_prefill().is_some();
         let stays = |dead: Option<Broken>| {
-            ctx.moved
-                .stays(dead, riding_failed, reason == Reason::ErrorFrame);
+            ctx.moved.stays(dead, riding_failed);
             false
         };
         if !migratable || self.finished || self.migrations >= ctx.config.limit {
@@ -830,7 +836,7 @@ impl Migrating {
                         if this.broke.is_none() {
                             this.broke = Some(Box::new(e));
                         }
-                        if this.migrate(Reason::Reset, blame.map(|b| (b, times)), true) {
+                        if this.migrate(Reason::Reset, blame.map(|b| (b, times)), true, false) {
                             continue;
                         }
                         this.ended = true;
@@ -880,7 +886,9 @@ impl Migrating {
                                 return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
                             }
                             let dead = this.leg.take_blame();
-                            if this.migrate(reason, dead, false) {
+                            let lost_kv = reason == Reason::ErrorFrame
+                                || (is_done(&event) && !this.ctx.plan.chat);
+                            if this.migrate(reason, dead, false, lost_kv) {
                                 if out.is_empty() {
                                     continue;
                                 }
@@ -939,7 +947,7 @@ impl Migrating {
                 Poll::Ready(None) => Reason::Eof,
             };
             let dead = this.leg.take_blame().filter(|_| blame);
-            if this.migrate(reason, dead, false) {
+            if this.migrate(reason, dead, false, false) {
                 continue;
             }
             // Not migrated: end as today (what is held goes first, then the error or

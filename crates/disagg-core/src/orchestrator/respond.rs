@@ -428,6 +428,7 @@ impl Inner {
                     &mut route,
                     &meta,
                     disaggregated,
+                    disaggregated && prefill == LegOutcome::Answered,
                     clock,
                     body,
                     guard,

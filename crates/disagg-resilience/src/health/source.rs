@@ -85,10 +85,14 @@ impl Listener for Health {
         if let Some(prefill) = report.route.prefill.as_ref() {
             let verdict = match (report.prefill, report.decode) {
                 // Its KV handed and the decode failed as a lost KV load does: whose
-                // failure is it?
-                (LegOutcome::Answered, LegOutcome::Failed) if report.kv_load_suspect => {
-                    self.lost_kv(prefill, decode)
-                }
+                // failure is it? (A first decode whose stream broke so and moved on is
+                // told by a report of its own, the prefill's leg not in it.)
+                (_, LegOutcome::Failed) if report.kv_load_suspect => self.lost_kv(prefill, decode),
+                // The answer moved on to a decode never handed this prefill's KV: its
+                // end says nothing of the prefill, whose handoff the first decode's
+                // report weighed. (A success here would wipe the failures that rule
+                // counts against a prefill whose KV no decode can load.)
+                (LegOutcome::Answered, _) if report.moved => None,
                 (LegOutcome::Answered, decode) => {
                     // Served by a decode: the KV it handed was loaded (a refusal, a
                     // decode that failed on its own, or a prefill whose answer was the

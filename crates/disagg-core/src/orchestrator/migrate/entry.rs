@@ -11,7 +11,8 @@ impl Inner {
     /// `req` may migrate (with what it shares with the attempt's report), which then
     /// holds the decode's in-flight `guard` and the route's place on it (each given
     /// back when the decode's stream ends or is abandoned); else `body` itself, and
-    /// `guard` back.
+    /// `guard` back. `handed_kv`: the decode was handed the KV of a prefill that
+    /// answered.
     // The answer's parts, each from a different place in `respond`.
     #[allow(clippy::too_many_arguments)]
     pub(in crate::orchestrator) fn migrating(
@@ -20,6 +21,7 @@ impl Inner {
         route: &mut Route,
         meta: &crate::orchestrator::respond::RequestMeta,
         disaggregated: bool,
+        handed_kv: bool,
         clock: crate::orchestrator::clock::Clock,
         body: BoxBody,
         guard: InFlightGuard,
@@ -50,6 +52,7 @@ impl Inner {
             queued: std::sync::atomic::AtomicBool::new(clock.queued),
             client: req.client(),
             moved: Arc::clone(&moved),
+            handed_kv,
             trace: meta
                 .trace
                 .as_ref()

@@ -54,9 +54,6 @@ struct MovedState {
     /// That stream, ended for its riding prefill, was not continued: the request's
     /// stream broke, though no engine the attempt's report names is to blame.
     prefill_broke: bool,
-    /// The leg the report names broke on its decode's error event naming a 5xx and was
-    /// not continued ([`stays`](Self::stays)).
-    broke_on_error: bool,
     /// The stream ended in the decode's error event naming a 4xx or no status: its
     /// refusal, relayed as it came and not continued.
     refused: Option<ErrorEvent>,
@@ -73,6 +70,11 @@ pub(super) struct Broken {
     /// span): the report that tells it failed draws the attempt's handoff and decode
     /// spans.
     pub(super) first_leg: bool,
+    /// The leg is the first, its decode was handed the prefill's KV (the prefill
+    /// answered), and its stream broke as a lost KV load ends one: on an error event
+    /// naming a 5xx, or at a `[DONE]` before its answer finished
+    /// ([`Report::kv_load_suspect`]).
+    pub(super) lost_kv: bool,
 }
 
 /// Span ids of a handoff step and a decode leg.
@@ -99,9 +101,9 @@ pub(crate) struct Applied {
     /// That leg, ended for its riding prefill, was not continued: the request's stream
     /// broke (the attempt failed), its decode not to blame.
     pub(crate) prefill_broke: bool,
-    /// The first leg (the report's own decode, the stream never moved) broke on its
-    /// decode's error event naming a 5xx and was not continued: as a lost KV load ends a
-    /// vLLM chat stream ([`Report::kv_load_suspect`]).
+    /// The first leg (the report's own decode, the stream never moved) broke as a lost
+    /// KV load ends a vLLM stream ([`Broken::lost_kv`]) and no continuation took it on
+    /// ([`Report::kv_load_suspect`]).
     pub(crate) lost_kv: bool,
     /// The stream ended in the error event of the decode the report names, naming a
     /// 4xx or no status ([`ErrorEvent::is_server_error`]): its refusal, relayed, not
@@ -128,7 +130,11 @@ impl Moved {
     /// untouched), and whether the leg it names broke (no other report tells it).
     pub(crate) fn apply(&self, report: &mut Report) -> Applied {
         let mut s = self.lock();
-        let broke = s.broken.take().is_some();
+        let broken = s.broken.take();
+        let broke = broken.is_some();
+        // The first leg broke as a lost KV load ends a stream, and the stream never
+        // moved on (no continuation started, or none was tried).
+        let lost_kv = broken.is_some_and(|b| b.lost_kv);
         let Some(to) = &s.to else {
             return Applied {
                 migrations: s.migrations,
@@ -136,12 +142,13 @@ impl Moved {
                 broke,
                 exempt: false,
                 prefill_broke: false,
-                lost_kv: broke && s.broke_on_error,
+                lost_kv,
                 refused: s.refused,
             };
         };
         report.route.decode = Arc::clone(to);
         report.route.decode_rank = None;
+        report.moved = true;
         if let (Some(spans), Some(trace)) = (s.spans, report.trace.as_mut()) {
             trace.handoff = spans.handoff;
             trace.decode = spans.decode;
@@ -197,15 +204,11 @@ impl Moved {
     /// The leg the attempt's report names broke and the stream is not continued: its
     /// decode, `dead`, is told failed by the report; else, when the leg ended for the
     /// fresh prefill riding in its stream (`riding_failed`), the report tells the
-    /// request's stream broke, blaming no engine of its own. `on_error`: the leg broke
-    /// on its decode's error event naming a 5xx.
-    pub(super) fn stays(&self, dead: Option<Broken>, riding_failed: bool, on_error: bool) {
+    /// request's stream broke, blaming no engine of its own.
+    pub(super) fn stays(&self, dead: Option<Broken>, riding_failed: bool) {
         let mut s = self.lock();
         match dead {
-            Some(dead) => {
-                s.broken = Some(dead);
-                s.broke_on_error = on_error;
-            }
+            Some(dead) => s.broken = Some(dead),
             None => s.prefill_broke |= riding_failed,
         }
     }
@@ -274,6 +277,7 @@ impl Ctx {
             times,
             at,
             first_leg,
+            lost_kv,
         } = dead;
         let mut route = self.route.clone();
         route.decode = decode;
@@ -286,6 +290,10 @@ impl Ctx {
             times.timeline(at),
         );
         report.attempt = self.attempt;
+        // Its prefill's KV may be what it could not load: passive health weighs it
+        // across decodes (the attempt's report, naming another decode, tells the
+        // prefill's leg and says the answer moved).
+        report.kv_load_suspect = lost_kv;
         report.trace = self.own_trace();
         if let (true, Some(trace), Some((attempt, _))) =
             (first_leg, report.trace.as_mut(), self.trace.as_ref())
