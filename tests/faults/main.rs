@@ -304,7 +304,7 @@ async fn unloadable_kv() -> (Stack, Heard) {
 /// as the decode's failure: delivery broken with the error `error`, its one attempt
 /// `DecodeFailed`, the prefill answered, the decode leg failed; a lost KV load's
 /// suspect ([`Report::kv_load_suspect`](disagg_core::outcome::Report)) when the decode
-/// answered as one does (not a stream cut off: `suspect` false).
+/// answered as one does.
 async fn told_as_the_decodes_failure(stack: &Stack, heard: &Heard, error: &str, suspect: bool) {
     use disagg_core::outcome::{Delivery, LegOutcome, Outcome};
     assert_eq!(stack.d().stats().kv_pull_failures, 1);
@@ -413,7 +413,7 @@ async fn a_kv_load_failure_on_a_streamed_cohere_chat_is_told_as_the_decodes_fail
 /// `response.created` and `response.in_progress`, then its error payload fails the
 /// stream's event validation and the server cuts the connection. The proxy relays the
 /// two events and ends the client's stream with its own error event, a broken stream:
-/// the decode's failure.
+/// the decode's failure, and a lost KV load's suspect: cut before its first output item.
 #[tokio::test]
 async fn a_kv_load_failure_on_a_streamed_response_is_the_decodes_failure() {
     let (stack, heard) = unloadable_kv().await;
@@ -442,8 +442,107 @@ async fn a_kv_load_failure_on_a_streamed_response_is_the_decodes_failure() {
     let last: serde_json::Value = serde_json::from_str(events[2]).unwrap();
     assert_eq!(last["error"]["code"], "decode_stream_failed", "{events:?}");
     assert_eq!(events.len(), 3, "no [DONE]: {events:?}");
-    // The connection cut off: a broken stream, whatever broke it.
-    told_as_the_decodes_failure(&stack, &heard, "decode_stream_failed", false).await;
+    // The connection cut off: a broken stream, whatever broke it; before any output,
+    // as a lost KV load cuts it.
+    told_as_the_decodes_failure(&stack, &heard, "decode_stream_failed", true).await;
+}
+
+/// SGLang's `/generate`, streamed, whose decode's KV transfer failed (its prefill never
+/// registered the room: the decode's bootstrap wait runs out): SGLang 0.5.23 sends its
+/// 200 head at once and no error event, but one answer event whose
+/// `meta_info.finish_reason` is `{"type":"abort",...,"status_code":500}`, then `[DONE]`
+/// (`prepare_abort` in `disaggregation/decode.py`). The client gets the stream as the
+/// engine wrote it; the request is told as the decode's failure, not a served answer.
+#[tokio::test]
+async fn an_sglang_generate_stream_the_decode_aborted_is_its_failure() {
+    use disagg_core::outcome::{Delivery, LegOutcome, Outcome};
+    let heard = Heard::default();
+    let stack = Stack::builder()
+        .protocol(Protocol::Sglang)
+        .prefill(vec![faulty(Faults {
+            hang: true,
+            ..Default::default()
+        })])
+        .decode(vec![SimConfig {
+            bootstrap_timeout: Duration::from_millis(200),
+            ..Default::default()
+        }])
+        .listener(heard.clone())
+        .build()
+        .await;
+    let body = serde_json::json!({"text": "x", "sampling_params": {"max_new_tokens": 4},
+                                  "stream": true});
+    let a = post(&stack.url, "/generate", body.to_string(), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let events = a.events();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let aborted: serde_json::Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    let reason = &aborted["meta_info"]["finish_reason"];
+    assert_eq!(
+        (&reason["type"], &reason["status_code"]),
+        (&"abort".into(), &500.into())
+    );
+    let summary = heard.first(1).await.remove(0);
+    assert_eq!(
+        (summary.delivery, summary.error),
+        (Delivery::Broken, Some("decode_error_event"))
+    );
+    let reports = heard.reports();
+    let report = reports
+        .iter()
+        .find(|r| r.decode != LegOutcome::NotSent)
+        .unwrap_or_else(|| panic!("{reports:?}"));
+    assert_eq!(
+        (report.outcome, report.decode),
+        (Outcome::DecodeFailed, LegOutcome::Failed),
+        "{report:?}"
+    );
+}
+
+/// The other side: a streamed `/v1/responses` whose decode (handed the KV, which it
+/// loaded) breaks off after its output began is the decode's failure, not a lost KV
+/// load's suspect: it was cut off mid-answer, as a dying engine cuts it.
+#[tokio::test]
+async fn a_response_stream_cut_mid_answer_is_no_lost_kv_load() {
+    use disagg_core::outcome::{LegOutcome, Outcome};
+    let heard = Heard::default();
+    let stack = Stack::builder()
+        .decode(vec![faulty(Faults {
+            // The two opening events, the output item, its content part: then cut.
+            drop_after_chunks: Some(4),
+            ..Default::default()
+        })])
+        .listener(heard.clone())
+        .build()
+        .await;
+    let body = serde_json::json!({"model": "sim-model", "input": "x",
+                                  "max_output_tokens": 8, "stream": true});
+    let a = post(&stack.url, "/v1/responses", body.to_string(), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert!(
+        a.text().contains("event: response.output_item.added"),
+        "{}",
+        a.text()
+    );
+    assert!(a.text().contains("decode_stream_failed"), "{}", a.text());
+    heard.first(1).await;
+    let reports = heard.reports();
+    let [report] = &reports[..] else {
+        panic!("one attempt: {reports:?}")
+    };
+    assert_eq!(
+        (report.outcome, report.prefill, report.decode),
+        (
+            Outcome::DecodeFailed,
+            LegOutcome::Answered,
+            LegOutcome::Failed
+        )
+    );
+    assert!(!report.kv_load_suspect, "{report:?}");
 }
 
 #[tokio::test]

@@ -122,3 +122,56 @@ async fn a_generate_request_given_as_text_or_with_logprobs_is_not_migrated() {
         );
     }
 }
+
+/// A `/generate` first leg whose decode aborted it before any token, as SGLang does a
+/// decode whose KV transfer failed (no error event: its finish reason
+/// `{"type":"abort", ..., "status_code":500}`, then `[DONE]`), is a break naming a 5xx,
+/// not a served answer: with nothing of the answer to continue from, it is not
+/// continued, the abort goes out as the engine wrote it, the attempt is the decode's
+/// failure, and the stream ends at once, though its prefill still runs (it hangs before
+/// it registers the room; the decode gives up after 200 ms): no decode takes its KV.
+#[tokio::test]
+async fn a_generate_stream_its_decode_aborted_is_its_failure_and_ends_at_once() {
+    use disagg_core::outcome::{LegOutcome, Outcome};
+    use std::time::Duration;
+    let heard = Heard::default();
+    let s = Stack::builder()
+        .protocol(Protocol::Sglang)
+        .prefill(vec![SimConfig {
+            faults: Faults {
+                hang: true,
+                ..Faults::default()
+            },
+            ..SimConfig::default()
+        }])
+        .decode(vec![
+            SimConfig {
+                bootstrap_timeout: Duration::from_millis(200),
+                ..SimConfig::default()
+            },
+            SimConfig::default(),
+        ])
+        .config(|c| c.migration.limit = 1)
+        .listener(heard.clone())
+        .build()
+        .await;
+    let a = post(&s.url, "/generate", generate_body(5, json!({})), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let evs = events(&a);
+    assert_eq!(evs.last(), Some(&json!("[DONE]")), "{}", a.text());
+    assert_eq!(evs[0]["meta_info"]["finish_reason"]["type"], "abort");
+    heard.first(1).await;
+    let reports = heard.reports();
+    let report = reports
+        .iter()
+        .find(|r| r.decode != LegOutcome::NotSent)
+        .unwrap_or_else(|| panic!("{reports:?}"));
+    assert_eq!(
+        (report.outcome, report.decode),
+        (Outcome::DecodeFailed, LegOutcome::Failed),
+        "{report:?}"
+    );
+    let stats = s.orchestrator.stats();
+    assert_eq!(stats.migrations.iter().map(|(_, n)| n).sum::<u64>(), 0);
+    assert_eq!(s.d().stats().bootstrap_timeouts, 1);
+}

@@ -337,6 +337,7 @@ impl Inner {
         // that ends without did not answer).
         let api = Api::from_path(parts.uri.path());
         let completions = api == Some(Api::Completions);
+        let generate = api == Some(Api::Generate);
         let uri = match endpoint.uri(path) {
             Ok(uri) => uri,
             Err(e) => {
@@ -454,6 +455,7 @@ impl Inner {
             Watched {
                 events: sse && parts.status.is_success(),
                 completions,
+                generate,
             },
         );
         let mut body = PdBody::forward(body.boxed(), sse).scrubbed(&parts.headers);

@@ -45,7 +45,10 @@ const ROUTES: [&str; 2] = ["/v1/embeddings", "/invocations"];
 /// streams a failed KV load), `do-unfinished` and `do-finished` (a whole 200 completions
 /// event stream: a chunk, then the usage chunk alone, as vLLM streams a completions
 /// request whose KV load failed, or a last chunk with its finish reason; then `[DONE]`),
-/// else a 200 with a JSON body. Connections are kept alive, as the engines' servers keep them.
+/// `do-abort-500` and `do-abort-400` (a whole 200 SGLang `/generate` event stream: a
+/// chunk, then one whose finish reason is an abort naming that status, its key cut
+/// between two chunks, and `[DONE]`, as SGLang streams a decode whose KV transfer
+/// failed), else a 200 with a JSON body. Connections are kept alive, as the engines' servers keep them.
 async fn raw_engine() -> (String, mpsc::UnboundedReceiver<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -84,6 +87,17 @@ async fn raw_engine() -> (String, mpsc::UnboundedReceiver<()>) {
                         );
                         let (a, b) = error.split_at(10);
                         events(&["data: {\"choices\":[]}\n\n", a, b, "data: [DONE]\n\n"])
+                    } else if let Some(code) = ["500", "400"]
+                        .into_iter()
+                        .find(|c| request.contains(&format!("do-abort-{c}")))
+                    {
+                        let first = "data: {\"text\":\"a\",\"output_ids\":[7],\"meta_info\":{\"id\":\"r\",\"finish_reason\":null}}\n\n";
+                        let last = format!(
+                            "data: {{\"text\":\"a\",\"output_ids\":[7],\"meta_info\":{{\"id\":\"r\",\"finish_reason\":{{\"type\":\"abort\",\"message\":\"KV transfer failed\",\"status_code\":{code},\"err_type\":null}},\"prompt_tokens\":3}}}}\n\n"
+                        );
+                        // The key cut between two chunks.
+                        let (a, b) = last.split_at(60);
+                        events(&[first, a, b, "data: [DONE]\n\n"])
                     } else if request.contains("do-unfinished") || request.contains("do-finished") {
                         let first = "data: {\"choices\":[{\"index\":0,\"text\":\"a\",\"finish_reason\":null}]}\n\n";
                         let last = if request.contains("do-finished") {
@@ -642,6 +656,62 @@ async fn a_completions_stream_without_a_finish_reason_fails_its_engine() {
                 ("/v1/completions".to_owned(), Delivery::Complete),
                 ("/v1/embeddings".to_owned(), Delivery::Complete),
                 ("/v1/completions".to_owned(), Delivery::Broken)
+            ],
+            "{action:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sglang_abort_in_a_generate_stream_counts_as_its_status_says() {
+    // SGLang's `/generate` tells a request its engine aborted (a decode whose KV transfer
+    // failed) in its last event's finish reason, then ends with `[DONE]`: no served
+    // answer. Naming a 5xx it is the engine's failure (one ejects it here), a 4xx the
+    // request's; relayed whole, the route broken, sent direct or forwarded. Another
+    // path's stream is not read so.
+    for action in [RouteAction::Direct, RouteAction::Forwarded] {
+        let (engine, _) = raw_engine().await;
+        let routes = Routes::default();
+        let table = RouteTable::default()
+            .admin_routes(true)
+            .set("/generate", action);
+        let config = OrchestratorConfig::default();
+        let (addr, source) = proxy_told(&[&engine], 1, config, table, Some(routes.clone())).await;
+        let ep = endpoint(&source, &engine);
+        let health = source.health();
+        let (status, text) = post(addr, "/v1/embeddings", "do-abort-500").await;
+        assert_eq!(status, 200, "{action:?}: {text}");
+        let (status, text) = post(addr, "/generate", "do-abort-400").await;
+        assert_eq!(status, 200, "{action:?}: {text}");
+        assert_eq!(
+            health.state(&ep),
+            Some(EndpointHealth::Healthy),
+            "{action:?}"
+        );
+        let (status, text) = post(addr, "/generate", "do-abort-500").await;
+        assert_eq!(status, 200, "{action:?}: {text}");
+        assert!(
+            text.contains("\"status_code\":500") && text.contains("[DONE]"),
+            "{action:?}: relayed whole: {text}"
+        );
+        assert!(
+            ejected(health.state(&ep)),
+            "{action:?}: {:?} after an aborted stream",
+            health.state(&ep)
+        );
+        let told: Vec<(String, Delivery)> = routes
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|s| (s.path.to_string(), s.delivery))
+            .collect();
+        assert_eq!(
+            told,
+            [
+                ("/v1/embeddings".to_owned(), Delivery::Complete),
+                ("/generate".to_owned(), Delivery::Broken),
+                ("/generate".to_owned(), Delivery::Broken)
             ],
             "{action:?}"
         );

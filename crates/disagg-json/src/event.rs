@@ -24,6 +24,14 @@
 //!   the chat stream it converts fails; it names no status, and is read as a 500 (the
 //!   engine's failure).
 //!
+//! * SGLang's native `/generate` stream, which has no error event for a request its
+//!   engine aborted: the event's `meta_info.finish_reason` is
+//!   `{"type":"abort","message":...,"status_code":N,"err_type":...}` (`FINISH_ABORT` in
+//!   `sglang/srt/managers/schedule_batch.py`, written by `orjson`), then `[DONE]`. A
+//!   decode whose KV transfer failed aborts so with 500 (`prepare_abort` in
+//!   `sglang/srt/disaggregation/decode.py`). Read only where asked
+//!   ([`ErrorEvents::with_aborts`], [`ErrorEvent::of_generate_payload`]).
+//!
 //! The bytes pass through untouched; the watch only tells the relay's caller that the
 //! answer carried an error, and the status it names, so that a stream ending in one is
 //! not counted as served.
@@ -136,6 +144,30 @@ impl ErrorEvent {
         SHAPES.iter().any(shaped).then(|| ErrorEvent::read(payload))
     }
 
+    /// [`of_payload`](Self::of_payload), or the payload of an SGLang `/generate` event
+    /// whose finish reason is an abort, read as an error naming the abort's
+    /// `status_code` (none named: an error of no status). For a reader of a `/generate`
+    /// stream that frames the events itself.
+    ///
+    /// ```
+    /// use disagg_json::ErrorEvent;
+    ///
+    /// let aborted = br#"{"text":"","meta_info":{"finish_reason":{"type":"abort","message":"m","status_code":500,"err_type":null}}}"#;
+    /// assert_eq!(ErrorEvent::of_generate_payload(aborted).and_then(|e| e.status()), Some(500));
+    /// let stopped = br#"{"text":"a","meta_info":{"finish_reason":{"type":"stop"}}}"#;
+    /// assert_eq!(ErrorEvent::of_generate_payload(stopped), None);
+    /// ```
+    pub fn of_generate_payload(payload: &[u8]) -> Option<ErrorEvent> {
+        ErrorEvent::of_payload(payload).or_else(|| crate::abort::in_payload(payload))
+    }
+
+    /// The error an abort finish reason names: its `status_code`, if any.
+    pub(crate) fn of_abort(status_code: Option<&serde_json::Value>) -> Self {
+        ErrorEvent {
+            status: status_code.and_then(as_status),
+        }
+    }
+
     /// The event whose data line is `line` (from its payload's `{` on).
     fn read(line: &[u8]) -> Self {
         let value = serde_json::from_slice::<serde_json::Value>(line.trim_ascii()).ok();
@@ -182,7 +214,9 @@ fn type_status(kind: &str) -> Option<u16> {
         "request_too_large" => 413,
         "rate_limit_error" => 429,
         // `internal_error`: older vLLM's `/v1/messages` stream, for any error.
-        "api_error" | "internal_error" | "InternalServerError" => 500,
+        // `server_error`: OpenAI's own type for its failures, the one the proxy's own
+        // error events carry (a decode stream that broke under a proxy in front).
+        "api_error" | "internal_error" | "InternalServerError" | "server_error" => 500,
         "NotImplementedError" => 501,
         "overloaded_error" => 503,
         _ => return None,
@@ -214,6 +248,8 @@ pub struct ErrorEvents {
     /// The last bytes seen.
     tail: Tail<TAIL>,
     state: State,
+    /// The watch for SGLang's abort finish reason, when it is read as an error event.
+    aborts: Option<crate::abort::Aborts>,
 }
 
 #[derive(Debug)]
@@ -245,11 +281,35 @@ impl ErrorEvents {
         ErrorEvents {
             tail: Tail::new(),
             state: State::Watching,
+            aborts: None,
         }
+    }
+
+    /// The watch, reading SGLang's abort finish reason as an error event too (the
+    /// status its `status_code` names; [`ErrorEvent::of_generate_payload`]): for a
+    /// `/generate` stream, whose engine tells a request it aborted (a failed KV
+    /// transfer among them) so, not with an error event. One more `memchr` search per
+    /// frame.
+    ///
+    /// ```
+    /// use disagg_json::ErrorEvents;
+    ///
+    /// let mut watch = ErrorEvents::new().with_aborts();
+    /// watch.watch(br#"data: {"text":"","meta_info":{"finish_reason":{"type":"abort","#);
+    /// watch.watch(br#""message":"KV transfer failed","status_code":500}}}"#);
+    /// watch.watch(b"\n\ndata: [DONE]\n\n");
+    /// assert_eq!(watch.finish().and_then(|e| e.status()), Some(500));
+    /// ```
+    pub fn with_aborts(mut self) -> Self {
+        self.aborts = Some(crate::abort::Aborts::default());
+        self
     }
 
     /// The stream's next bytes.
     pub fn watch(&mut self, data: &[u8]) {
+        if let Some(aborts) = self.aborts.as_mut() {
+            aborts.watch(data);
+        }
         match &mut self.state {
             State::Read(_) => return,
             State::Reading(line) => {
@@ -278,12 +338,23 @@ impl ErrorEvents {
         self.tail.keep(data);
     }
 
+    /// Whether the stream so far carried an error event (its line may not be whole yet:
+    /// [`finish`](Self::finish) reads it).
+    pub fn found(&self) -> bool {
+        !matches!(self.state, State::Watching)
+            || self
+                .aborts
+                .as_ref()
+                .is_some_and(crate::abort::Aborts::found)
+    }
+
     /// The error event seen, once the stream has ended (a line cut by the stream's end
     /// is read as far as it came); `None` when the stream carried none. The watch is
     /// done: it reads nothing more.
     pub fn finish(&mut self) -> Option<ErrorEvent> {
+        let abort = self.aborts.as_mut().and_then(crate::abort::Aborts::finish);
         let event = match &self.state {
-            State::Watching => return None,
+            State::Watching => return abort,
             State::Reading(line) => ErrorEvent::read(line),
             State::Read(event) => *event,
         };
@@ -468,6 +539,16 @@ data: [DONE]\n\n";
             &[],
         );
         assert_eq!(e.and_then(|e| e.status()), Some(500));
+        // The proxy's own (OpenAI's type for a server's failure, its code a name): a
+        // decode stream that broke under a proxy in front is the engine side's failure.
+        let e = watched(
+            b"data: {\"error\": {\"message\": \"decode stream broke\", \"type\": \"server_error\", \"param\": null, \"code\": \"decode_stream_failed\"}}\n\n",
+            &[],
+        );
+        assert_eq!(
+            e.map(|e| (e.status(), e.is_server_error())),
+            Some((Some(500), true))
+        );
         // An event cut by the stream's end, or too long to read: unknown status.
         assert_eq!(
             watched(b"data: {\"error\": {\"code\": 5", &[]).map(|e| e.status()),
@@ -637,6 +718,115 @@ data: {\"type\":\"content-delta\",\"delta\":{\"error\":\"x\"}}\n\n";
         assert_eq!(
             ErrorEvent::of_payload(long.as_bytes()).map(|e| e.status()),
             Some(Some(500))
+        );
+    }
+
+    /// SGLang 0.5.23's streamed `/generate` answer of a decode whose KV transfer
+    /// failed: one event whose finish reason is an abort naming 500, then `[DONE]`.
+    const SGLANG_ABORT: &[u8] = b"data: {\"text\":\"\",\"output_ids\":[],\"meta_info\":{\"id\":\"r\",\"finish_reason\":{\"type\":\"abort\",\"message\":\"Decode transfer failed for request rank=0 bootstrap_room=7\",\"status_code\":500,\"err_type\":null},\"prompt_tokens\":3,\"completion_tokens\":0}}\n\ndata: [DONE]\n\n";
+
+    /// The abort `stream` carries, read by a watch `with_aborts`, fed in frames cut at
+    /// `cuts`.
+    fn aborted(stream: &[u8], cuts: &[usize]) -> Option<ErrorEvent> {
+        let mut w = ErrorEvents::new().with_aborts();
+        let mut from = 0;
+        for &cut in cuts.iter().chain([&stream.len()]) {
+            w.watch(&stream[from..cut]);
+            from = cut;
+        }
+        w.finish()
+    }
+
+    #[test]
+    fn an_sglang_abort_is_read_as_an_error_however_the_stream_is_cut() {
+        for cut in 0..=SGLANG_ABORT.len() {
+            let event = aborted(SGLANG_ABORT, &[cut]);
+            assert_eq!(event.map(|e| e.status()), Some(Some(500)), "cut at {cut}");
+        }
+        let cuts: Vec<usize> = (1..SGLANG_ABORT.len()).collect();
+        assert_eq!(
+            aborted(SGLANG_ABORT, &cuts).and_then(|e| e.status()),
+            Some(500)
+        );
+        // Only where asked: a watch of another stream reads no abort.
+        assert_eq!(watched(SGLANG_ABORT, &[]), None);
+        // Framed by the caller.
+        let payload = &SGLANG_ABORT[6..SGLANG_ABORT.len() - 22];
+        assert_eq!(ErrorEvent::of_payload(payload), None);
+        assert_eq!(
+            ErrorEvent::of_generate_payload(payload).and_then(|e| e.status()),
+            Some(500)
+        );
+    }
+
+    #[test]
+    fn an_sglang_abort_names_its_status_or_none() {
+        let event = |reason: &str| {
+            format!(
+                "data: {{\"text\":\"a\",\"meta_info\":{{\"finish_reason\":{reason},\"e2e_latency\":0.1}}}}\n\n"
+            )
+        };
+        // A request the engine found invalid: its refusal.
+        let bad = aborted(
+            event(
+                r#"{"type":"abort","message":"m","status_code":400,"err_type":"BadRequestError"}"#,
+            )
+            .as_bytes(),
+            &[],
+        );
+        assert_eq!(
+            bad.map(|e| (e.status(), e.is_server_error())),
+            Some((Some(400), false))
+        );
+        // An abort naming no status (a request aborted by its client or an operator).
+        let none = aborted(event(r#"{"type":"abort","message":"m"}"#).as_bytes(), &[]);
+        assert_eq!(none.map(|e| e.status()), Some(None));
+        // Its members in another order (a serializer that sorts them), spaced as
+        // `json.dumps` writes them.
+        let sorted = aborted(
+            event(r#"{"err_type": null, "message": "m", "status_code": 503, "type": "abort"}"#)
+                .replace("\"finish_reason\":", "\"finish_reason\" :  ")
+                .as_bytes(),
+            &[29, 31],
+        );
+        assert_eq!(sorted.and_then(|e| e.status()), Some(503));
+        // A batch: the first element finished, the second aborted.
+        let batch = format!(
+            "{}{}",
+            event(r#"{"type":"stop","matched":2}"#),
+            event(r#"{"type":"abort","message":"m","status_code":500}"#)
+        );
+        for cut in 0..=batch.len() {
+            let e = aborted(batch.as_bytes(), &[cut]);
+            assert_eq!(e.and_then(|e| e.status()), Some(500), "cut at {cut}");
+        }
+        // Finished, or its text naming an abort: no error.
+        for reason in [
+            r#"{"type":"stop","matched":2}"#,
+            r#"{"type":"length","length":4}"#,
+            "null",
+        ] {
+            assert_eq!(aborted(event(reason).as_bytes(), &[]), None, "{reason}");
+        }
+        let quoted = "data: {\"text\":\"\\\"finish_reason\\\":{\\\"type\\\":\\\"abort\\\"\"}\n\n";
+        assert_eq!(aborted(quoted.as_bytes(), &[5]), None, "{quoted}");
+        // An error event before it is the one read.
+        let both = format!(
+            "data: {{\"error\": {{\"code\": 503}}}}\n\n{}",
+            String::from_utf8_lossy(SGLANG_ABORT)
+        );
+        assert_eq!(
+            aborted(both.as_bytes(), &[]).and_then(|e| e.status()),
+            Some(503)
+        );
+        // A message past the ceiling hides the status written after it.
+        let long = event(&format!(
+            r#"{{"type":"abort","message":"{}","status_code":500}}"#,
+            "x".repeat(MAX_ERROR_EVENT)
+        ));
+        assert_eq!(
+            aborted(long.as_bytes(), &[40]).map(|e| e.status()),
+            Some(None)
         );
     }
 

@@ -30,11 +30,13 @@
 //! # Ok::<(), disagg_json::BodyError>(())
 //! ```
 
+mod abort;
 mod body;
 mod error;
 mod event;
 mod finish;
 pub mod lax;
+mod output;
 pub mod raw;
 mod tail;
 
@@ -45,3 +47,4 @@ pub use body::{
 pub use error::{BodyError, InvalidParam, openai_error_body};
 pub use event::{ErrorEvent, ErrorEvents, MAX_ERROR_EVENT};
 pub use finish::FinishReasons;
+pub use output::ResponsesOutput;

@@ -39,7 +39,7 @@ use crate::outcome::{Delivery, LegOutcome, Outcome, Report, Summary};
 use crate::policy::Permit;
 use crate::transport::BoxBody;
 
-use disagg_json::{ErrorEvents, FinishReasons};
+use disagg_json::ErrorEvents;
 
 use super::answer::{Scrubber, scrubbed_kind};
 use super::in_band::{EventShape, end_with};
@@ -90,9 +90,10 @@ pub(crate) struct Finish {
     /// The watch for an error event the decode writes in its stream (an event stream
     /// relayed as it is: a migrating one reads its own events).
     pub(crate) errors: Option<ErrorEvents>,
-    /// The watch for a choice's finish reason in a completions stream relayed as it is
-    /// (one that ends without did not answer: vLLM's failed KV load).
-    pub(crate) finishes: Option<FinishReasons>,
+    /// The watch for the sign of an answer in a stream relayed as it is (a completions
+    /// stream's finish reason, a Responses stream's first output item: vLLM's failed KV
+    /// load ends one without).
+    pub(crate) answer: Option<super::sign::AnswerSign>,
     /// The decode was handed the prefill's KV: its stream ending in its own failure may
     /// be a lost KV load ([`Report::kv_load_suspect`]).
     pub(crate) kv: bool,
@@ -113,7 +114,7 @@ impl Finish {
             bytes: 0,
             moved: None,
             errors: None,
-            finishes: None,
+            answer: None,
             kv: false,
         }
     }
@@ -123,7 +124,7 @@ impl Finish {
         if let Some(w) = self.errors.as_mut() {
             w.watch(data);
         }
-        if let Some(w) = self.finishes.as_mut() {
+        if let Some(w) = self.answer.as_mut() {
             w.watch(data);
         }
         if self.summary.is_none() {
@@ -220,7 +221,7 @@ impl Finish {
         let unfinished = in_band.is_none()
             && (outcome, report.outcome, report.decode)
                 == (Outcome::Success, Outcome::Success, LegOutcome::Answered)
-            && self.finishes.as_ref().is_some_and(|w| !w.finished());
+            && self.answer.as_ref().is_some_and(|w| w.unfinished());
         match outcome {
             // The attempt stays as the head told it: a success (the decode leg answered,
             // or not sent: the prefill's answer was the whole answer), the decode's
@@ -281,12 +282,14 @@ impl Finish {
                     failed.map_or(LegOutcome::Failed, |e| super::leg_outcome(e, decode));
                 report.outcome = decode_end(report.decode);
                 // A decode sent after a lead of the proxy's own that answered a 5xx, as
-                // a 5xx head relayed is.
+                // a 5xx head relayed is; or a stream broken off before its answer began.
                 let answered_5xx = failed.is_some_and(|e| {
                     e.side() == Side::Decode
                         && e.engine_status().is_some_and(|s| s.is_server_error())
                 });
-                report.kv_load_suspect = self.lost_kv(&report, answered_5xx);
+                let cut =
+                    failed.is_none() && self.answer.as_ref().is_some_and(|w| w.cut_unanswered());
+                report.kv_load_suspect = self.lost_kv(&report, answered_5xx || cut);
             }
             Outcome::Cancelled => {
                 report.outcome = Outcome::Cancelled;
@@ -648,10 +651,17 @@ impl PdBody {
     /// The same body, answering a client of `api`: a broken event stream ends with the
     /// error event in the shape `api`'s clients read (Anthropic's `event: error` on
     /// `/v1/messages`, Cohere's `message-end` with its `delta.error` on
-    /// `/cohere/v2/chat`, OpenAI's otherwise, and by default).
+    /// `/cohere/v2/chat`, OpenAI's otherwise, and by default); on SGLang's `/generate`,
+    /// an event whose finish reason is an abort is read as an error event.
     #[must_use]
     pub fn answering(mut self, api: Api) -> Self {
         self.shape = EventShape::of(api);
+        // SGLang's `/generate` tells a request its engine aborted in its finish reason.
+        if let (Api::Generate, Some(f)) = (api, self.finish.as_mut())
+            && f.errors.is_some()
+        {
+            f.errors = Some(ErrorEvents::new().with_aborts());
+        }
         self
     }
 
@@ -868,11 +878,15 @@ impl PdBody {
         }
         loop {
             if let Some(end) = this.end.take() {
+                // The decode is done; the stream ends when the prefill leg has too
+                // (it was polled above, so its progress wakes this body), unless its KV
+                // has no taker: then it is dropped.
                 if matches!(end, Tail::Eos) && this.prefill.is_some() {
-                    // The decode is done; the stream ends when the prefill leg has too
-                    // (it was polled above, so its progress wakes this body).
-                    *this.end = Some(end);
-                    return Poll::Pending;
+                    if !this.finish.as_ref().is_some_and(|f| f.kv_untaken()) {
+                        *this.end = Some(end);
+                        return Poll::Pending;
+                    }
+                    *this.prefill = None;
                 }
                 return end_with(
                     end,

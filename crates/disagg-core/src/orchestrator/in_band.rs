@@ -83,6 +83,20 @@ impl EventShape {
     }
 }
 
+impl Finish {
+    /// The first decode's stream ended without taking the prefill's KV for an answer: it
+    /// carried its error (an error event; SGLang's abort, as a decode whose KV transfer
+    /// failed ends its `/generate` stream), or, migrating, the answer moved on to
+    /// another decode or was the decode's refusal. A concurrent prefill still running
+    /// then holds KV no decode will take: the stream does not wait for it.
+    pub(super) fn kv_untaken(&self) -> bool {
+        self.errors
+            .as_ref()
+            .is_some_and(disagg_json::ErrorEvents::found)
+            || self.moved.as_ref().is_some_and(|m| m.left_first_leg())
+    }
+}
+
 /// The body's end: `end`, told to `finish`; a broken event stream (`events`, its error
 /// event's shape) ends with an error event, any other body with the error.
 pub(super) fn end_with(

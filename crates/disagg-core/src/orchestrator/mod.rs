@@ -75,6 +75,7 @@ mod report;
 mod respond;
 mod sequential;
 mod serve;
+mod sign;
 mod stats;
 
 pub use body::PdBody;

@@ -13,10 +13,10 @@ use http_body_util::{BodyExt, Full};
 use crate::endpoint::InFlightGuard;
 use crate::error::{PdError, Side, error_chain};
 use crate::outcome::{LegOutcome, Outcome, Report, Summary, Timeline};
-use crate::request::{Api, PdRequest, REQUEST_ID};
+use crate::request::{PdRequest, REQUEST_ID};
 use crate::router::Route;
 use crate::transport::BoxBody;
-use disagg_json::{FinishReasons, openai_error_body};
+use disagg_json::openai_error_body;
 
 use super::Inner;
 use super::answer::scrubbed_type;
@@ -462,13 +462,10 @@ impl Inner {
             first_byte: None,
             bytes: 0,
             // A completions stream relayed as it is must carry a choice's finish
-            // reason (a migrating one reads its own).
-            finishes: (sse
-                && status.is_success()
-                && moved.is_none()
-                && outcome == Outcome::Success
-                && req.api() == Api::Completions)
-                .then(FinishReasons::new),
+            // reason, a Responses stream its output (a migrating one reads its own).
+            answer: (sse && status.is_success() && moved.is_none() && outcome == Outcome::Success)
+                .then(|| super::sign::AnswerSign::of(req.api()))
+                .flatten(),
             moved,
             errors: None,
             kv,

@@ -82,6 +82,9 @@ pub(super) struct Watched {
     /// The request was a completions request (`/v1/completions`): its event stream
     /// must carry a choice's finish reason, or it did not answer.
     pub(super) completions: bool,
+    /// The request was SGLang's `/generate`: an event whose finish reason is an abort
+    /// ends the answer as an error event does ([`ErrorEvents::with_aborts`]).
+    pub(super) generate: bool,
 }
 
 impl EngineBody {
@@ -102,7 +105,10 @@ impl EngineBody {
             _places: places,
             idle: idle.map(|d| (d, Box::pin(tokio::time::sleep(d)))),
             deadline: deadline.map(|d| Box::pin(tokio::time::sleep_until(d))),
-            errors: told.then(ErrorEvents::new),
+            errors: told.then(|| match watched.generate {
+                true => ErrorEvents::new().with_aborts(),
+                false => ErrorEvents::new(),
+            }),
             finishes: (told && watched.completions).then(FinishReasons::new),
             route,
             verdict,

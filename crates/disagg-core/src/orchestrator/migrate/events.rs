@@ -64,7 +64,12 @@ impl Migrating {
     /// A chunk's payload that is an error event breaks the leg ([`Reason::ErrorFrame`]),
     /// the event kept for [`refusal`](Self::refusal) to read.
     fn error(&mut self, data: &[u8]) -> Result<(), Reason> {
-        match ErrorEvent::of_payload(data) {
+        // SGLang's `/generate` tells a request its engine aborted in its finish reason.
+        let event = match self.ctx.plan.generate {
+            Some(_) => ErrorEvent::of_generate_payload(data),
+            None => ErrorEvent::of_payload(data),
+        };
+        match event {
             Some(event) => {
                 self.error_event = Some(event);
                 Err(Reason::ErrorFrame)

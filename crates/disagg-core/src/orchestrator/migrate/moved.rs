@@ -166,6 +166,13 @@ impl Moved {
         }
     }
 
+    /// The answer left the first decode: it moved on to another, was the first decode's
+    /// refusal, relayed, or its break, not continued.
+    pub(crate) fn left_first_leg(&self) -> bool {
+        let s = self.lock();
+        s.to.is_some() || s.refused.is_some() || s.broken.is_some()
+    }
+
     /// The migrations tried, for the request's summary (taken once).
     pub(crate) fn take_log(&self) -> Vec<Migration> {
         std::mem::take(&mut self.lock().log)
