@@ -520,10 +520,21 @@ impl Answer {
     }
 }
 
+/// Each event's data, as a server-sent events client reads it: the events are split at
+/// blank lines (`\n\n`, `\r\n\r\n`), and an event's `data:` lines (after other fields
+/// such as `event:`, one space after the colon dropped) are joined with newlines; an
+/// event with no data line (a comment, a lone `event:`) is none.
 pub fn sse_payloads(body: &[u8]) -> Vec<String> {
-    String::from_utf8_lossy(body)
-        .split("\n\n")
-        .filter_map(|ev| ev.trim().strip_prefix("data: ").map(str::to_owned))
+    let text = String::from_utf8_lossy(body).replace("\r\n", "\n");
+    text.split("\n\n")
+        .filter_map(|ev| {
+            let data: Vec<&str> = ev
+                .lines()
+                .filter_map(|l| l.strip_prefix("data:"))
+                .map(|d| d.strip_prefix(' ').unwrap_or(d))
+                .collect();
+            (!data.is_empty()).then(|| data.join("\n"))
+        })
         .collect()
 }
 
