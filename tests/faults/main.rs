@@ -452,7 +452,10 @@ async fn a_kv_load_failure_on_a_streamed_response_is_the_decodes_failure() {
 /// 200 head at once and no error event, but one answer event whose
 /// `meta_info.finish_reason` is `{"type":"abort",...,"status_code":500}`, then `[DONE]`
 /// (`prepare_abort` in `disaggregation/decode.py`). The client gets the stream as the
-/// engine wrote it; the request is told as the decode's failure, not a served answer.
+/// engine wrote it, and it ends then (the prefill still running is dropped: no decode
+/// takes its KV); the request is told as a failure, not a served answer, but its decode
+/// leg is judged neither way: the prefill never answered, and which engine failed the
+/// transfer cannot be told.
 #[tokio::test]
 async fn an_sglang_generate_stream_the_decode_aborted_is_its_failure() {
     use disagg_core::outcome::{Delivery, LegOutcome, Outcome};
@@ -497,10 +500,15 @@ async fn an_sglang_generate_stream_the_decode_aborted_is_its_failure() {
         .find(|r| r.decode != LegOutcome::NotSent)
         .unwrap_or_else(|| panic!("{reports:?}"));
     assert_eq!(
-        (report.outcome, report.decode),
-        (Outcome::DecodeFailed, LegOutcome::Failed),
+        (report.outcome, report.prefill, report.decode),
+        (
+            Outcome::DecodeFailed,
+            LegOutcome::Abandoned,
+            LegOutcome::Abandoned
+        ),
         "{report:?}"
     );
+    assert!(!report.kv_load_suspect, "{report:?}");
 }
 
 /// The other side: a streamed `/v1/responses` whose decode (handed the KV, which it

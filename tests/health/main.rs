@@ -502,12 +502,26 @@ async fn ejecting_after_three_with(
     String,
     oneshot::Sender<()>,
 ) {
+    ejecting_after_three_over(endpoints, config, VllmNixl::new()).await
+}
+
+/// [`ejecting_after_three_with`] over `connector`.
+async fn ejecting_after_three_over(
+    endpoints: Vec<Endpoint>,
+    config: OrchestratorConfig,
+    connector: impl disagg_core::KvConnector,
+) -> (
+    Arc<StaticSource>,
+    Arc<disagg_resilience::health::Health>,
+    String,
+    oneshot::Sender<()>,
+) {
     let inner = Arc::new(StaticSource::new(endpoints));
     let mut health_config = passive(Duration::from_secs(60));
     health_config.failure_threshold = 3;
     let source = HealthSource::new(Arc::clone(&inner), health_config);
     let health = Arc::clone(source.health());
-    let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new())
+    let orchestrator = Orchestrator::builder(source, HttpTransport::default(), connector)
         .router(PerLeg::both(RoundRobin::new))
         .config(config)
         .build();
@@ -671,6 +685,148 @@ async fn with_migration_a_prefill_whose_kv_no_decode_can_load_is_still_ejected()
     // Its first failure says nothing of it, the next three count: four lost loads.
     let failures: u64 = decodes.iter().map(|d| d.stats().kv_pull_failures).sum();
     assert_eq!(failures, 4, "each continued stream was a lost KV load");
+}
+
+/// SGLang, both legs at once, behind a prefill that hangs before it registers the room:
+/// each decode gives up waiting (200 ms) and aborts its streamed `/generate` (SGLang's
+/// `finish_reason` `{"type":"abort",...,"status_code":500}`, then `[DONE]`), and the
+/// stream ends then, the prefill still running dropped. Which engine failed the
+/// transfer cannot be told from a prefill that never answered: no decode is ejected for
+/// it (each took the blame in turn, and all were ejected behind one bad prefill).
+#[tokio::test]
+async fn decodes_aborting_for_a_prefill_that_never_answered_are_not_ejected() {
+    let p = SimEngine::start(SimConfig {
+        kv_mode: disagg_sim::KvMode::Sglang(disagg_sim::SimRole::Prefill),
+        faults: disagg_sim::Faults {
+            hang: true,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let decode = || SimConfig {
+        kv_mode: disagg_sim::KvMode::Sglang(disagg_sim::SimRole::Decode),
+        bootstrap_timeout: Duration::from_millis(200),
+        ..Default::default()
+    };
+    let decodes = [
+        SimEngine::start(decode()).await.unwrap(),
+        SimEngine::start(decode()).await.unwrap(),
+    ];
+    let mut facts = disagg_core::endpoint::Facts::default();
+    let port = p.bootstrap_addr().unwrap().port().to_string();
+    facts
+        .insert(disagg_core::endpoint::Facts::BOOTSTRAP_PORT, port)
+        .unwrap();
+    let mut endpoints = vec![
+        Endpoint::new(&p.url(), Role::Prefill)
+            .unwrap()
+            .with_facts(facts),
+    ];
+    endpoints.extend(
+        decodes
+            .iter()
+            .map(|d| Endpoint::new(&d.url(), Role::Decode).unwrap()),
+    );
+    let (inner, health, url, _stop) = ejecting_after_three_over(
+        endpoints,
+        OrchestratorConfig::default(),
+        disagg_connectors::sglang::SglangBootstrap::new(),
+    )
+    .await;
+    for i in 0..6 {
+        let body = serde_json::json!({"text": format!("a{i}"), "stream": true,
+                                      "sampling_params": {"max_new_tokens": 4}});
+        let a = post(&url, "/generate", body.to_string(), &[]).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert!(a.text().contains("\"abort\""), "{}", a.text());
+    }
+    let aborted: u64 = decodes.iter().map(|d| d.stats().bootstrap_timeouts).sum();
+    assert_eq!(aborted, 6);
+    for d in inner.snapshot().by_role(Role::Decode) {
+        assert_eq!(health.state(d), Some(EndpointHealth::Healthy), "{}", d.id());
+    }
+}
+
+/// The migration case over vLLM Mooncake (both legs at once): the decode's head may
+/// come before its prefill answered, so whether the decode was handed the KV of a
+/// prefill that answered is read when the first decode's stream breaks, not at its
+/// head (read there, the prefill's answer was missed whenever it came second, and the
+/// bad prefill escaped the rule in some runs).
+#[tokio::test]
+async fn with_migration_and_both_legs_at_once_a_prefill_whose_kv_no_decode_can_load_is_ejected() {
+    use disagg_sim::{KvMode, SimRole};
+    let mooncake = |role, host: &str| SimConfig {
+        kv_mode: KvMode::Mooncake(role),
+        advertised_host: host.into(),
+        ..Default::default()
+    };
+    let good = SimEngine::start(mooncake(SimRole::Prefill, ""))
+        .await
+        .unwrap();
+    let bad = SimEngine::start(mooncake(SimRole::Prefill, "127.0.0.2"))
+        .await
+        .unwrap();
+    let mut decodes = Vec::new();
+    for _ in 0..3 {
+        decodes.push(
+            SimEngine::start(mooncake(SimRole::Decode, ""))
+                .await
+                .unwrap(),
+        );
+    }
+    let prefill = |e: &SimEngine| {
+        let mut facts = disagg_core::endpoint::Facts::default();
+        let port = e.bootstrap_addr().unwrap().port().to_string();
+        facts
+            .insert(disagg_core::endpoint::Facts::BOOTSTRAP_PORT, port)
+            .unwrap();
+        Endpoint::new(&e.url(), Role::Prefill)
+            .unwrap()
+            .with_facts(facts)
+    };
+    let mut endpoints = vec![prefill(&good), prefill(&bad)];
+    endpoints.extend(
+        decodes
+            .iter()
+            .map(|d| Endpoint::new(&d.url(), Role::Decode).unwrap()),
+    );
+    let mut config = OrchestratorConfig::default();
+    config.migration.limit = 1;
+    config.migration.decode_only = true;
+    let (inner, health, url, _stop) = ejecting_after_three_over(
+        endpoints,
+        config,
+        disagg_connectors::vllm::VllmMooncake::new(),
+    )
+    .await;
+    for i in 0..16 {
+        let a = post(
+            &url,
+            "/v1/chat/completions",
+            chat(&format!("c{i}"), 4, true),
+            &[],
+        )
+        .await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(
+            a.events().last().map(String::as_str),
+            Some("[DONE]"),
+            "{}",
+            a.text()
+        );
+    }
+    let set = inner.snapshot();
+    let bad_ep = Arc::clone(&set.by_role(Role::Prefill)[1]);
+    assert!(
+        matches!(health.state(&bad_ep), Some(EndpointHealth::Ejected { .. })),
+        "{:?}",
+        health.state(&bad_ep)
+    );
+    for d in set.by_role(Role::Decode) {
+        assert_eq!(health.state(d), Some(EndpointHealth::Healthy), "{}", d.id());
+    }
 }
 
 /// The other side of the rule above: two decodes that fail every request (answering

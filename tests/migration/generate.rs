@@ -127,9 +127,10 @@ async fn a_generate_request_given_as_text_or_with_logprobs_is_not_migrated() {
 /// decode whose KV transfer failed (no error event: its finish reason
 /// `{"type":"abort", ..., "status_code":500}`, then `[DONE]`), is a break naming a 5xx,
 /// not a served answer: with nothing of the answer to continue from, it is not
-/// continued, the abort goes out as the engine wrote it, the attempt is the decode's
-/// failure, and the stream ends at once, though its prefill still runs (it hangs before
-/// it registers the room; the decode gives up after 200 ms): no decode takes its KV.
+/// continued, the abort goes out as the engine wrote it, the attempt fails, and the
+/// stream ends at once, though its prefill still runs (it hangs before it registers the
+/// room; the decode gives up after 200 ms): no decode takes its KV. The decode leg is
+/// judged neither way: its prefill never answered.
 #[tokio::test]
 async fn a_generate_stream_its_decode_aborted_is_its_failure_and_ends_at_once() {
     use disagg_core::outcome::{LegOutcome, Outcome};
@@ -168,7 +169,7 @@ async fn a_generate_stream_its_decode_aborted_is_its_failure_and_ends_at_once() 
         .unwrap_or_else(|| panic!("{reports:?}"));
     assert_eq!(
         (report.outcome, report.decode),
-        (Outcome::DecodeFailed, LegOutcome::Failed),
+        (Outcome::DecodeFailed, LegOutcome::Abandoned),
         "{report:?}"
     );
     let stats = s.orchestrator.stats();

@@ -135,7 +135,10 @@ pub enum LegOutcome {
     /// (the connector's configuration, KV it says will not be ready, a call on another
     /// engine, the request's deadline, a migration continuation's own time) or the
     /// client left before the decode leg was sent: its KV was computed and left behind,
-    /// never pulled by a decode. Passive health counts it neither way.
+    /// never pulled by a decode. A decode whose stream ended in its own error while the
+    /// prefill it waited on still ran (that prefill dropped then) is abandoned too:
+    /// which engine failed the transfer cannot be told. Passive health counts it neither
+    /// way.
     Abandoned,
 }
 

@@ -97,6 +97,9 @@ pub(crate) struct Finish {
     /// The decode was handed the prefill's KV: its stream ending in its own failure may
     /// be a lost KV load ([`Report::kv_load_suspect`]).
     pub(crate) kv: bool,
+    /// A concurrent prefill still running was dropped at the decode's end
+    /// ([`Finish::unjudged`]).
+    pub(crate) dropped_prefill: bool,
 }
 
 impl Finish {
@@ -116,6 +119,7 @@ impl Finish {
             errors: None,
             answer: None,
             kv: false,
+            dropped_prefill: false,
         }
     }
 
@@ -149,13 +153,6 @@ impl Finish {
         if decodes {
             self.first_chunk = Some(now());
         }
-    }
-
-    /// Whether the decode's failure, answered as a lost KV load answers (`answered_so`),
-    /// may be one ([`Report::kv_load_suspect`]): it was handed the prefill's KV, and the
-    /// prefill's leg answered.
-    fn lost_kv(&self, report: &Report, answered_so: bool) -> bool {
-        answered_so && self.kv && report.prefill == LegOutcome::Answered
     }
 
     /// Whether the answer relayed is the prefill's refusal (a 4xx passed through).
@@ -347,6 +344,7 @@ impl Finish {
         } else {
             outcome
         };
+        self.unjudged(&mut report);
         reporter.report(&mut report);
         if let Some(mut summary) = self.summary.take() {
             summary.end = end;
@@ -882,9 +880,12 @@ impl PdBody {
                 // (it was polled above, so its progress wakes this body), unless its KV
                 // has no taker: then it is dropped.
                 if matches!(end, Tail::Eos) && this.prefill.is_some() {
-                    if !this.finish.as_ref().is_some_and(|f| f.kv_untaken()) {
-                        *this.end = Some(end);
-                        return Poll::Pending;
+                    match this.finish.as_mut().filter(|f| f.kv_untaken()) {
+                        Some(f) => f.dropped_prefill = true,
+                        None => {
+                            *this.end = Some(end);
+                            return Poll::Pending;
+                        }
                     }
                     *this.prefill = None;
                 }

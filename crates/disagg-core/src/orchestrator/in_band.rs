@@ -16,7 +16,7 @@ use http_body::Frame;
 
 use super::body::{Finish, PollFrame, Tail};
 use crate::error::{Side, error_chain};
-use crate::outcome::Outcome;
+use crate::outcome::{LegOutcome, Outcome, Report};
 use crate::request::Api;
 
 /// The shape of the error event that ends a stream, by the client's API.
@@ -84,6 +84,28 @@ impl EventShape {
 }
 
 impl Finish {
+    /// Whether the decode's failure, answered as a lost KV load answers (`answered_so`),
+    /// may be one ([`Report::kv_load_suspect`](crate::outcome::Report)): it was handed
+    /// the prefill's KV, and the prefill's leg answered.
+    pub(super) fn lost_kv(&self, report: &Report, answered_so: bool) -> bool {
+        answered_so && self.kv && report.prefill == LegOutcome::Answered
+    }
+
+    /// `report`, of a stream whose concurrent prefill was dropped at the decode's end
+    /// while it still ran ([`kv_untaken`](Self::kv_untaken)): a decode leg that failed
+    /// there (its error event, SGLang's abort: the transfer from a prefill that had not
+    /// answered) is judged neither way. Which engine failed the transfer cannot be told
+    /// (a prefill hung or queued past the decode's wait, or either side's network), and
+    /// blaming the decode would eject healthy decodes in turn behind one bad prefill,
+    /// which the rule across decodes cannot catch (it weighs prefills that answered).
+    /// A leg the answer moved on to is its own.
+    pub(super) fn unjudged(&self, report: &mut Report) {
+        if self.dropped_prefill && !report.moved && report.decode == LegOutcome::Failed {
+            report.decode = LegOutcome::Abandoned;
+            report.kv_load_suspect = false;
+        }
+    }
+
     /// The first decode's stream ended without taking the prefill's KV for an answer: it
     /// carried its error (an error event; SGLang's abort, as a decode whose KV transfer
     /// failed ends its `/generate` stream), or, migrating, the answer moved on to

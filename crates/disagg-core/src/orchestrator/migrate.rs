@@ -247,9 +247,13 @@ pub(crate) struct Ctx {
     /// prefill is the same client's request.
     pub(crate) client: Option<Arc<str>>,
     pub(crate) moved: Arc<Moved>,
-    /// The first leg's decode was handed the prefill's KV, which answered: its stream
-    /// breaking as a lost KV load ends one may be that KV's fault ([`Broken::lost_kv`]).
+    /// The first leg's decode was handed the prefill's KV, which had answered by the
+    /// decode's head: its stream breaking as a lost KV load ends one may be that KV's
+    /// fault ([`Broken::lost_kv`]).
     pub(crate) handed_kv: bool,
+    /// The marks of a concurrent prefill still running at the decode's head, when the
+    /// decode was handed its KV: one that answered since handed it too.
+    pub(crate) late_kv: Option<Arc<crate::orchestrator::respond::LateMarks>>,
     /// Continuations go through a fresh prefill (the request was disaggregated and the
     /// policy allows it); `None`: decode-only.
     pub(crate) through_prefill: Option<ThroughPrefill>,
@@ -611,7 +615,7 @@ impl Migrating {
             times,
             at,
             first_leg,
-            lost_kv: first_leg && lost_kv_shape && ctx.handed_kv,
+            lost_kv: first_leg && lost_kv_shape && ctx.prefill_handed_kv(),
         });
         let dead = match dead {
             Some(dead) if always => {

@@ -469,6 +469,7 @@ impl Inner {
             moved,
             errors: None,
             kv,
+            dropped_prefill: false,
         };
         let returned = returned.filter(|_| status.is_success());
         let body = PdBody::stream(body, sse, finish, pending, timer)

@@ -53,6 +53,7 @@ impl Inner {
             client: req.client(),
             moved: Arc::clone(&moved),
             handed_kv,
+            late_kv: steps.1.filter(|_| disaggregated).cloned(),
             trace: meta
                 .trace
                 .as_ref()

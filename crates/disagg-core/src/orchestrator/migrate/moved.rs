@@ -274,6 +274,12 @@ impl Moved {
 }
 
 impl Ctx {
+    /// The first leg's decode was handed the KV of a prefill that answered: by the
+    /// decode's head, or (both legs sent at once) since.
+    pub(super) fn prefill_handed_kv(&self) -> bool {
+        self.handed_kv || self.late_kv.as_ref().is_some_and(|l| l.answered())
+    }
+
     /// Tell `dead`'s decode failed, its leg timed from what is known of it to its end,
     /// in the request's trace and as the attempt's, as the attempt's report is: the
     /// first leg's under the attempt's handoff and decode spans (its `traceparent`
