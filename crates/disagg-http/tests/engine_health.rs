@@ -194,6 +194,32 @@ async fn proxy_told(
     (addr, source)
 }
 
+/// A [`raw_engine`] behind a proxy (one failure ejects it, the admin routes open) that
+/// routes `path` by `action`, its route summaries told: the proxy's address, the
+/// engine's endpoint, its health and the routes told.
+async fn one_engine_routing(
+    path: &'static str,
+    action: RouteAction,
+) -> (SocketAddr, Arc<Endpoint>, HealthSource, Routes) {
+    let (engine, _) = raw_engine().await;
+    let routes = Routes::default();
+    let table = RouteTable::default().admin_routes(true).set(path, action);
+    let config = OrchestratorConfig::default();
+    let (addr, source) = proxy_told(&[&engine], 1, config, table, Some(routes.clone())).await;
+    let ep = endpoint(&source, &engine);
+    (addr, ep, source, routes)
+}
+
+impl Routes {
+    /// Each route told: its path and delivery.
+    fn told(&self) -> Vec<(String, Delivery)> {
+        let told = self.0.lock().unwrap();
+        told.iter()
+            .map(|s| (s.path.to_string(), s.delivery))
+            .collect()
+    }
+}
+
 /// The endpoint of `source` whose URL is `url` (looked up before any ejection).
 fn endpoint(source: &HealthSource, url: &str) -> Arc<Endpoint> {
     let set = source.snapshot();
@@ -614,14 +640,7 @@ async fn a_completions_stream_without_a_finish_reason_fails_its_engine() {
     // whose last chunk sets its finish reason is served, and another path's stream is
     // not held to it.
     for action in [RouteAction::Direct, RouteAction::Forwarded] {
-        let (engine, _) = raw_engine().await;
-        let routes = Routes::default();
-        let table = RouteTable::default()
-            .admin_routes(true)
-            .set("/v1/completions", action);
-        let config = OrchestratorConfig::default();
-        let (addr, source) = proxy_told(&[&engine], 1, config, table, Some(routes.clone())).await;
-        let ep = endpoint(&source, &engine);
+        let (addr, ep, source, routes) = one_engine_routing("/v1/completions", action).await;
         let health = source.health();
         let (status, text) = post(addr, "/v1/completions", "do-finished").await;
         assert_eq!(status, 200, "{action:?}: {text}");
@@ -643,15 +662,8 @@ async fn a_completions_stream_without_a_finish_reason_fails_its_engine() {
             "{action:?}: {:?} after an unfinished stream",
             health.state(&ep)
         );
-        let told: Vec<(String, Delivery)> = routes
-            .0
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|s| (s.path.to_string(), s.delivery))
-            .collect();
         assert_eq!(
-            told,
+            routes.told(),
             [
                 ("/v1/completions".to_owned(), Delivery::Complete),
                 ("/v1/embeddings".to_owned(), Delivery::Complete),
@@ -670,14 +682,7 @@ async fn an_sglang_abort_in_a_generate_stream_counts_as_its_status_says() {
     // request's; relayed whole, the route broken, sent direct or forwarded. Another
     // path's stream is not read so.
     for action in [RouteAction::Direct, RouteAction::Forwarded] {
-        let (engine, _) = raw_engine().await;
-        let routes = Routes::default();
-        let table = RouteTable::default()
-            .admin_routes(true)
-            .set("/generate", action);
-        let config = OrchestratorConfig::default();
-        let (addr, source) = proxy_told(&[&engine], 1, config, table, Some(routes.clone())).await;
-        let ep = endpoint(&source, &engine);
+        let (addr, ep, source, routes) = one_engine_routing("/generate", action).await;
         let health = source.health();
         let (status, text) = post(addr, "/v1/embeddings", "do-abort-500").await;
         assert_eq!(status, 200, "{action:?}: {text}");
@@ -699,15 +704,8 @@ async fn an_sglang_abort_in_a_generate_stream_counts_as_its_status_says() {
             "{action:?}: {:?} after an aborted stream",
             health.state(&ep)
         );
-        let told: Vec<(String, Delivery)> = routes
-            .0
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|s| (s.path.to_string(), s.delivery))
-            .collect();
         assert_eq!(
-            told,
+            routes.told(),
             [
                 ("/v1/embeddings".to_owned(), Delivery::Complete),
                 ("/generate".to_owned(), Delivery::Broken),
