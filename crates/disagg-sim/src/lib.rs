@@ -367,7 +367,8 @@
 //!   prefill, the KV of each element is registered under its room (a room
 //!   already registered by another request: 409) and the request waits until
 //!   decodes took every room, at most [`SimConfig::bootstrap_timeout`] (then
-//!   500 `"KV transfer failed: no decode took room R within ..."`). It then
+//!   500 `"KV transfer failed: no decode took room R within ..."`, in SGLang's
+//!   `{"object":"error",...}` body). It then
 //!   answers like a plain engine, but with only the first token of each
 //!   choice. Its rooms are withdrawn whenever it ends, client gone included.
 //! * **Decode** (`--disaggregation-mode decode`). `bootstrap_host` and

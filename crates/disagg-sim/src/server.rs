@@ -2208,7 +2208,9 @@ async fn send_notifications(
 
 /// SGLang prefill: registers the KV of every element under its room and
 /// waits until decodes took them all, within the bootstrap timeout. The
-/// rooms are withdrawn on every way out (timeout, cancellation).
+/// rooms are withdrawn on every way out (timeout, cancellation). A transfer
+/// that failed is answered as SGLang's prefill aborts it (`prepare_abort`,
+/// 500, in `disaggregation/prefill.py`): its error body's shape.
 async fn hand_over_rooms(inner: &Inner, elements: &[sglang::Element]) -> Result<(), ApiError> {
     let counters = &inner.counters;
     let wait = inner.config.bootstrap_timeout;
@@ -2239,14 +2241,16 @@ async fn hand_over_rooms(inner: &Inner, elements: &[sglang::Element]) -> Result<
                 return Err(ApiError::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     format!("KV transfer failed: room {room} was withdrawn"),
-                ));
+                )
+                .in_sglang_shape());
             }
             Err(_) => {
                 bump(&counters.bootstrap_timeouts);
                 return Err(ApiError::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     format!("KV transfer failed: no decode took room {room} within {wait:?}"),
-                ));
+                )
+                .in_sglang_shape());
             }
         }
     }

@@ -340,11 +340,11 @@ async fn sglang_wrong_peer_fails_the_transfer() {
         &wrong_host.1,
         &format!("cannot reach bootstrap server 127.0.0.1:{unused}"),
     );
-    assert_kv_failure(&wrong_host.0, "no decode took room 1 within 300ms");
+    assert_sglang_transfer_failed(&wrong_host.0, "no decode took room 1 within 300ms");
     assert_sglang_transfer_failed(&wrong_port.1, "not an SGLang bootstrap server");
-    assert_kv_failure(&wrong_port.0, "no decode took room 2");
+    assert_sglang_transfer_failed(&wrong_port.0, "no decode took room 2");
     assert_sglang_transfer_failed(&wrong_room.1, "no prefill for room 4");
-    assert_kv_failure(&wrong_room.0, "no decode took room 3");
+    assert_sglang_transfer_failed(&wrong_room.0, "no decode took room 3");
     assert_sglang_transfer_failed(&wrong_kv.1, "do not match the prompt");
     assert_eq!(wrong_kv.0.status, 200, "{}", wrong_kv.0.text());
 
@@ -462,7 +462,7 @@ async fn sglang_decode_aborted_before_taking_leaves_the_room_to_the_prefill_time
     let s = p.stats();
     assert_eq!((s.kv_transfers_pending, s.blocks_held), (1, 3));
     // ... until its own request gives up waiting.
-    assert_kv_failure(&prefill.await.unwrap(), "no decode took room 11");
+    assert_sglang_transfer_failed(&prefill.await.unwrap(), "no decode took room 11");
     assert!(started.elapsed() >= Duration::from_secs(1));
     let s = p.stats();
     assert_eq!(

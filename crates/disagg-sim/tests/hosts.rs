@@ -135,7 +135,7 @@ async fn sglang_bootstrap_host_of_the_decode_fails_and_the_prefills_succeeds() {
     let wrong = legs(d.addr().ip(), 1);
     let (pr, dr) = tokio::join!(post(p.addr(), CHAT, &wrong), post(d.addr(), CHAT, &wrong));
     assert_sglang_transfer_failed(&dr, "127.0.0.3");
-    assert_transfer_failed(&pr, "no decode took room 1");
+    assert_sglang_transfer_failed(&pr, "no decode took room 1");
 
     let right = legs(p.addr().ip(), 2);
     let (pr, dr) = tokio::join!(post(p.addr(), CHAT, &right), post(d.addr(), CHAT, &right));

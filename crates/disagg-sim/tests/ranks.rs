@@ -407,7 +407,7 @@ async fn sglang_decode_told_the_prefill_rank_meets_it_anywhere() {
     .await;
     assert_sglang_transfer_failed(&dr, "room 30 was not registered on dp rank 0");
     // Its prefill waited for a decode that never came to its rank.
-    assert_transfer_failed(&pr, "no decode took room 30");
+    assert_sglang_transfer_failed(&pr, "no decode took room 30");
 
     // A rank the prefill does not have fails the decode at once.
     let started = Instant::now();
