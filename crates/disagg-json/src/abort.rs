@@ -12,39 +12,14 @@
 //! reasons before the last event are `null`), reads that object as JSON up to its line's
 //! end, and tells an abort by its `type`, wherever its members stand.
 
-use std::sync::LazyLock;
-
-use memchr::memmem::Finder;
-
 use crate::event::{ErrorEvent, MAX_ERROR_EVENT};
-use crate::tail::Tail;
-
-/// The key searched for. A JSON string cannot hold it: its closing quote would be
-/// escaped.
-const KEY: &[u8] = b"\"finish_reason\"";
-
-/// The searcher for [`KEY`], built once.
-static FINDER: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(KEY));
-
-/// Bytes kept from one frame to the next: enough for a key cut between two frames.
-const TAIL: usize = 16;
-
-/// Where the watch stands after a key it found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum After {
-    /// Not after a key.
-    Nothing,
-    /// After the key: its `:` comes next.
-    Key,
-    /// After the `:`: the value's first byte comes next.
-    Colon,
-}
+use crate::finish::ReasonValues;
 
 /// Watches an SGLang `/generate` stream, frame by frame, for the first finish reason that
 /// is an abort.
 pub(crate) struct Aborts {
-    tail: Tail<TAIL>,
-    after: After,
+    /// Where each finish reason's value starts.
+    values: ReasonValues,
     /// A finish reason's object being read: its bytes so far, from its `{`.
     object: Option<Vec<u8>>,
     found: Option<ErrorEvent>,
@@ -53,8 +28,7 @@ pub(crate) struct Aborts {
 impl Default for Aborts {
     fn default() -> Self {
         Aborts {
-            tail: Tail::new(),
-            after: After::Nothing,
+            values: ReasonValues::new(),
             object: None,
             found: None,
         }
@@ -89,54 +63,30 @@ impl Aborts {
         if self.found.is_some() {
             return;
         }
-        let mut i = 0;
-        if self.after == After::Nothing
-            && self.object.is_none()
-            && let Some(k) = self.tail.cut(KEY, data).next()
-        {
-            // The key cut between the last frame and this one.
-            self.after = After::Key;
-            i = KEY.len() - k;
-        }
-        while i < data.len() {
+        let mut at = 0;
+        loop {
             if let Some(object) = self.object.as_mut() {
-                let Some(used) = read_on(object, &data[i..]) else {
+                let Some(used) = read_on(object, &data[at..]) else {
                     break;
                 };
-                i += used;
+                at += used;
                 let object = self.object.take().unwrap_or_default();
                 if let Some(event) = read(&object) {
                     self.found = Some(event);
                     return;
                 }
-                continue;
             }
-            if self.after == After::Nothing {
-                match FINDER.find(&data[i..]) {
-                    Some(hit) => {
-                        self.after = After::Key;
-                        i += hit + KEY.len();
-                    }
-                    None => break,
-                }
-                continue;
-            }
-            // After a key: JSON's whitespace, its `:`, whitespace, the value's first byte.
-            match (self.after, data[i]) {
-                (_, b' ' | b'\t' | b'\n' | b'\r') => i += 1,
-                (After::Key, b':') => {
-                    self.after = After::Colon;
-                    i += 1;
-                }
-                (After::Colon, b'{') => {
-                    self.after = After::Nothing;
+            match self.values.next(data, at) {
+                // An object: read to its line's end. `null` or a string: looked past.
+                Some(v) if data[v] == b'{' => {
                     self.object = Some(Vec::new());
+                    at = v;
                 }
-                // `null`, a string, or no key at all: looked past.
-                _ => self.after = After::Nothing,
+                Some(v) => at = v + 1,
+                None => break,
             }
         }
-        self.tail.keep(data);
+        self.values.end_frame(data);
     }
 }
 

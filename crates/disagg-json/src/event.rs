@@ -465,7 +465,11 @@ mod tests {
 
     /// The event `stream` carries, fed in frames cut at `cuts`.
     fn watched(stream: &[u8], cuts: &[usize]) -> Option<ErrorEvent> {
-        let mut w = ErrorEvents::new();
+        watched_by(ErrorEvents::new(), stream, cuts)
+    }
+
+    /// The event `stream` carries, fed to `w` in frames cut at `cuts`.
+    fn watched_by(mut w: ErrorEvents, stream: &[u8], cuts: &[usize]) -> Option<ErrorEvent> {
         let mut from = 0;
         for &cut in cuts.iter().chain([&stream.len()]) {
             w.watch(&stream[from..cut]);
@@ -728,13 +732,7 @@ data: {\"type\":\"content-delta\",\"delta\":{\"error\":\"x\"}}\n\n";
     /// The abort `stream` carries, read by a watch `with_aborts`, fed in frames cut at
     /// `cuts`.
     fn aborted(stream: &[u8], cuts: &[usize]) -> Option<ErrorEvent> {
-        let mut w = ErrorEvents::new().with_aborts();
-        let mut from = 0;
-        for &cut in cuts.iter().chain([&stream.len()]) {
-            w.watch(&stream[from..cut]);
-            from = cut;
-        }
-        w.finish()
+        watched_by(ErrorEvents::new().with_aborts(), stream, cuts)
     }
 
     #[test]

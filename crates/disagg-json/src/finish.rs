@@ -30,10 +30,8 @@ const TAIL: usize = 16;
 /// finish reason set: to a string, or to an object as SGLang's native stream sets it
 /// (not `null`).
 ///
-/// One `memchr` search per frame for `"finish_reason"` (a key cut between two frames is
-/// found by comparing the frame's first bytes with the last one's), and where it is
-/// found, the bytes after it up to its value's first byte (`:` and JSON's whitespace
-/// between, in this frame or the next). The first value set ends the watch. Nothing is allocated.
+/// Its values are found by [`ReasonValues`]; the first one set ends the watch. Nothing
+/// is allocated.
 ///
 /// ```
 /// use disagg_json::FinishReasons;
@@ -46,20 +44,8 @@ const TAIL: usize = 16;
 /// assert!(watch.finished());
 /// ```
 pub struct FinishReasons {
-    tail: Tail<TAIL>,
-    after: After,
+    values: ReasonValues,
     finished: bool,
-}
-
-/// Where the watch stands after a key it found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum After {
-    /// Not after a key.
-    Nothing,
-    /// After the key: its `:` comes next.
-    Key,
-    /// After the `:`: the value's first byte comes next.
-    Colon,
 }
 
 impl Default for FinishReasons {
@@ -80,8 +66,7 @@ impl FinishReasons {
     /// A watch over a stream not begun.
     pub const fn new() -> Self {
         FinishReasons {
-            tail: Tail::new(),
-            after: After::Nothing,
+            values: ReasonValues::new(),
             finished: false,
         }
     }
@@ -112,51 +97,96 @@ impl FinishReasons {
             return;
         }
         let mut at = 0;
-        if self.after != After::Nothing {
-            // A key found in the frame before, its value not reached yet.
-            at = self.after_key(data, 0);
-        } else {
-            let cut = self.tail.cut(KEY, data).next();
-            if let Some(k) = cut {
-                self.after = After::Key;
-                at = self.after_key(data, KEY.len() - k);
+        while let Some(v) = self.values.next(data, at) {
+            // A string, or SGLang's object; not `null`.
+            if matches!(data[v], b'"' | b'{') {
+                self.finished = true;
+                return;
             }
+            at = v + 1;
         }
-        while !self.finished && self.after == After::Nothing {
-            let Some(hit) = FINDER.find(&data[at..]) else {
-                break;
-            };
-            self.after = After::Key;
-            at = self.after_key(data, at + hit + KEY.len());
+        self.values.end_frame(data);
+    }
+}
+
+/// Finds, frame by frame, the first byte of each value of a `"finish_reason"` key in a
+/// stream: the one scan of [`FinishReasons`] and of SGLang's abort watch
+/// ([`ErrorEvents::with_aborts`](crate::ErrorEvents::with_aborts)).
+///
+/// One `memchr` search per frame for `"finish_reason"` (a key cut between two frames is
+/// found by comparing the frame's first bytes with the last one's), and where it is
+/// found, the bytes after it up to its value's first byte (`:` and JSON's whitespace
+/// between, in this frame or the next). Nothing is allocated.
+pub(crate) struct ReasonValues {
+    tail: Tail<TAIL>,
+    after: After,
+}
+
+/// Where the scan stands after a key it found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum After {
+    /// Not after a key.
+    Nothing,
+    /// After the key: its `:` comes next.
+    Key,
+    /// After the `:`: the value's first byte comes next.
+    Colon,
+}
+
+impl ReasonValues {
+    /// A scan of a stream not begun.
+    pub(crate) const fn new() -> Self {
+        ReasonValues {
+            tail: Tail::new(),
+            after: After::Nothing,
         }
-        self.tail.keep(data);
     }
 
-    /// Walks `data` from `i`, after a key: whitespace, its `:`, whitespace, then its value's
-    /// first byte, which tells whether the reason is set (a string, or SGLang's object;
-    /// not `null`). Where
-    /// the walk stopped: past the value's first byte, at the byte that showed the key
-    /// was no key (not followed by `:`), or at `data`'s end (the walk goes on in the
-    /// next frame).
-    fn after_key(&mut self, data: &[u8], mut i: usize) -> usize {
-        while let Some(&b) = data.get(i) {
-            match (self.after, b) {
-                // JSON's whitespace.
-                (_, b' ' | b'\t' | b'\n' | b'\r') => {}
-                (After::Key, b':') => self.after = After::Colon,
-                (After::Colon, value) => {
-                    self.after = After::Nothing;
-                    self.finished = matches!(value, b'"' | b'{');
-                    return i + 1;
-                }
-                _ => {
-                    self.after = After::Nothing;
-                    return i;
-                }
-            }
-            i += 1;
+    /// Where, in `data` from `at`, the next finish reason's value starts; `None` once
+    /// `data` is used up (a key whose value is not reached yet is carried to the next
+    /// frame). `at` 0 is the frame's start, where a key cut between the last frame and
+    /// this one is looked for. [`end_frame`](Self::end_frame) follows the frame's last
+    /// call.
+    pub(crate) fn next(&mut self, data: &[u8], mut at: usize) -> Option<usize> {
+        if at == 0
+            && self.after == After::Nothing
+            && let Some(k) = self.tail.cut(KEY, data).next()
+        {
+            self.after = After::Key;
+            at = KEY.len() - k;
         }
-        i
+        loop {
+            if self.after == After::Nothing {
+                let hit = FINDER.find(&data[at..])?;
+                self.after = After::Key;
+                at += hit + KEY.len();
+            }
+            // After a key: JSON's whitespace, its `:`, whitespace, the value.
+            while let Some(&b) = data.get(at) {
+                match (self.after, b) {
+                    (_, b' ' | b'\t' | b'\n' | b'\r') => {}
+                    (After::Key, b':') => self.after = After::Colon,
+                    (After::Colon, _) => {
+                        self.after = After::Nothing;
+                        return Some(at);
+                    }
+                    // No key (not followed by `:`): looked past.
+                    _ => {
+                        self.after = After::Nothing;
+                        break;
+                    }
+                }
+                at += 1;
+            }
+            if self.after != After::Nothing {
+                return None;
+            }
+        }
+    }
+
+    /// The frame `data` was scanned.
+    pub(crate) fn end_frame(&mut self, data: &[u8]) {
+        self.tail.keep(data);
     }
 }
 
