@@ -333,11 +333,9 @@ impl Inner {
         }
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
         // The API the engine's path serves, if any: its stream's error event takes that
-        // API's shape, and a completions stream must carry a choice's finish reason (one
-        // that ends without did not answer).
+        // API's shape, a completions stream must carry a choice's finish reason (one
+        // that ends without did not answer), and a `/generate` stream's abort is its error.
         let api = Api::from_path(parts.uri.path());
-        let completions = api == Some(Api::Completions);
-        let generate = api == Some(Api::Generate);
         let uri = match endpoint.uri(path) {
             Ok(uri) => uri,
             Err(e) => {
@@ -454,8 +452,7 @@ impl Inner {
             (route, verdict),
             Watched {
                 events: sse && parts.status.is_success(),
-                completions,
-                generate,
+                api,
             },
         );
         let mut body = PdBody::forward(body.boxed(), sse).scrubbed(&parts.headers);

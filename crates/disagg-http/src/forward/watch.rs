@@ -15,6 +15,7 @@ use disagg_core::error::BoxError;
 use disagg_core::json::{ErrorEvents, FinishReasons};
 use disagg_core::outcome::{Delivery, LegOutcome};
 use disagg_core::policy::Permit;
+use disagg_core::request::Api;
 use disagg_core::transport::BoxBody;
 use disagg_core::{Endpoint, Orchestrator};
 use http_body::{Body, Frame};
@@ -79,12 +80,11 @@ pub(super) struct Watched {
     /// The answer is a 2xx event stream: an error event the engine writes in it is how
     /// the answer ends.
     pub(super) events: bool,
-    /// The request was a completions request (`/v1/completions`): its event stream
-    /// must carry a choice's finish reason, or it did not answer.
-    pub(super) completions: bool,
-    /// The request was SGLang's `/generate`: an event whose finish reason is an abort
-    /// ends the answer as an error event does ([`ErrorEvents::with_aborts`]).
-    pub(super) generate: bool,
+    /// The API the request's path serves, if any: a completions stream
+    /// (`/v1/completions`) must carry a choice's finish reason, or it did not answer; in
+    /// an SGLang `/generate` stream, an event whose finish reason is an abort ends the
+    /// answer as an error event does ([`ErrorEvents::with_aborts`]).
+    pub(super) api: Option<Api>,
 }
 
 impl EngineBody {
@@ -105,11 +105,11 @@ impl EngineBody {
             _places: places,
             idle: idle.map(|d| (d, Box::pin(tokio::time::sleep(d)))),
             deadline: deadline.map(|d| Box::pin(tokio::time::sleep_until(d))),
-            errors: told.then(|| match watched.generate {
-                true => ErrorEvents::new().with_aborts(),
-                false => ErrorEvents::new(),
+            errors: told.then(|| match watched.api {
+                Some(Api::Generate) => ErrorEvents::new().with_aborts(),
+                _ => ErrorEvents::new(),
             }),
-            finishes: (told && watched.completions).then(FinishReasons::new),
+            finishes: (told && watched.api == Some(Api::Completions)).then(FinishReasons::new),
             route,
             verdict,
         };
