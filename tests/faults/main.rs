@@ -306,8 +306,16 @@ async fn unloadable_kv() -> (Stack, Heard) {
 /// suspect ([`Report::kv_load_suspect`](disagg_core::outcome::Report)) when the decode
 /// answered as one does.
 async fn told_as_the_decodes_failure(stack: &Stack, heard: &Heard, error: &str, suspect: bool) {
-    use disagg_core::outcome::{Delivery, LegOutcome, Outcome};
     assert_eq!(stack.d().stats().kv_pull_failures, 1);
+    let report = the_decodes_failure(heard, error).await;
+    // Passive health reads the prefill's handoffs across such decodes.
+    assert_eq!(report.kv_load_suspect, suspect, "{report:?}");
+}
+
+/// The one request `heard` was told of broke with `error`, its one attempt the decode's
+/// failure (`DecodeFailed`, the prefill answered, the decode leg failed): that attempt.
+async fn the_decodes_failure(heard: &Heard, error: &str) -> disagg_core::outcome::Report {
+    use disagg_core::outcome::{Delivery, LegOutcome, Outcome};
     let summary = heard.first(1).await.remove(0);
     assert_eq!(
         (summary.delivery, summary.error),
@@ -325,8 +333,7 @@ async fn told_as_the_decodes_failure(stack: &Stack, heard: &Heard, error: &str, 
             LegOutcome::Failed
         )
     );
-    // Passive health reads the prefill's handoffs across such decodes.
-    assert_eq!(report.kv_load_suspect, suspect, "{report:?}");
+    report.clone()
 }
 
 /// The same wrong host under a streamed chat: the decode has sent its 200 head, so it
@@ -494,11 +501,7 @@ async fn an_sglang_generate_stream_the_decode_aborted_is_its_failure() {
         (summary.delivery, summary.error),
         (Delivery::Broken, Some("decode_error_event"))
     );
-    let reports = heard.reports();
-    let report = reports
-        .iter()
-        .find(|r| r.decode != LegOutcome::NotSent)
-        .unwrap_or_else(|| panic!("{reports:?}"));
+    let report = heard.decode_attempt();
     assert_eq!(
         (report.outcome, report.prefill, report.decode),
         (
@@ -516,7 +519,6 @@ async fn an_sglang_generate_stream_the_decode_aborted_is_its_failure() {
 /// load's suspect: it was cut off mid-answer, as a dying engine cuts it.
 #[tokio::test]
 async fn a_response_stream_cut_mid_answer_is_no_lost_kv_load() {
-    use disagg_core::outcome::{LegOutcome, Outcome};
     let heard = Heard::default();
     let stack = Stack::builder()
         .decode(vec![faulty(Faults {
@@ -537,19 +539,7 @@ async fn a_response_stream_cut_mid_answer_is_no_lost_kv_load() {
         a.text()
     );
     assert!(a.text().contains("decode_stream_failed"), "{}", a.text());
-    heard.first(1).await;
-    let reports = heard.reports();
-    let [report] = &reports[..] else {
-        panic!("one attempt: {reports:?}")
-    };
-    assert_eq!(
-        (report.outcome, report.prefill, report.decode),
-        (
-            Outcome::DecodeFailed,
-            LegOutcome::Answered,
-            LegOutcome::Failed
-        )
-    );
+    let report = the_decodes_failure(&heard, "decode_stream_failed").await;
     assert!(!report.kv_load_suspect, "{report:?}");
 }
 

@@ -529,6 +529,72 @@ async fn ejecting_after_three_over(
     (inner, health, url, stop)
 }
 
+/// The endpoint of `engine` in `role`, a prefill's with its bootstrap port (SGLang's and
+/// Mooncake's side channel) when it serves one, as the stacks of the other tests name it.
+fn endpoint_of(engine: &SimEngine, role: Role) -> Endpoint {
+    let ep = Endpoint::new(&engine.url(), role).unwrap();
+    match engine.bootstrap_addr().filter(|_| role == Role::Prefill) {
+        Some(addr) => {
+            let mut facts = disagg_core::endpoint::Facts::default();
+            facts
+                .insert(
+                    disagg_core::endpoint::Facts::BOOTSTRAP_PORT,
+                    addr.port().to_string(),
+                )
+                .unwrap();
+            ep.with_facts(facts)
+        }
+        None => ep,
+    }
+}
+
+/// Two prefills, the second advertising a host where nothing listens (no decode can
+/// load its KV), and three decodes, each started with `config` for its role: the
+/// prefills, the decodes, and their endpoints (prefills first).
+async fn a_bad_prefill_among_good_engines(
+    config: impl Fn(disagg_sim::SimRole) -> SimConfig,
+) -> (Vec<SimEngine>, Vec<SimEngine>, Vec<Endpoint>) {
+    use disagg_sim::SimRole;
+    let mut prefills = vec![SimEngine::start(config(SimRole::Prefill)).await.unwrap()];
+    let bad = SimConfig {
+        advertised_host: "127.0.0.2".into(),
+        ..config(SimRole::Prefill)
+    };
+    prefills.push(SimEngine::start(bad).await.unwrap());
+    let mut decodes = Vec::new();
+    for _ in 0..3 {
+        decodes.push(SimEngine::start(config(SimRole::Decode)).await.unwrap());
+    }
+    let endpoints = prefills
+        .iter()
+        .map(|p| endpoint_of(p, Role::Prefill))
+        .chain(decodes.iter().map(|d| endpoint_of(d, Role::Decode)))
+        .collect();
+    (prefills, decodes, endpoints)
+}
+
+/// `ejected` is ejected, every other endpoint of `set` healthy.
+fn only_ejected(
+    health: &disagg_resilience::health::Health,
+    set: &disagg_core::endpoint::EndpointSet,
+    ejected: &Endpoint,
+) {
+    assert!(
+        matches!(health.state(ejected), Some(EndpointHealth::Ejected { .. })),
+        "{}: {:?}",
+        ejected.id(),
+        health.state(ejected)
+    );
+    for ep in set.iter().filter(|ep| ep.id() != ejected.id()) {
+        assert_eq!(
+            health.state(ep),
+            Some(EndpointHealth::Healthy),
+            "{}",
+            ep.id()
+        );
+    }
+}
+
 /// A prefill whose side channel no decode can reach (it advertises a host where nothing
 /// listens): every decode it hands KV to fails its load and answers 500, which blames
 /// the decode. Round-robin over two prefills and three decodes hands the bad prefill's
@@ -539,27 +605,8 @@ async fn ejecting_after_three_over(
 /// `failure_threshold` of them, and every request then succeeds. No decode is ejected.
 #[tokio::test]
 async fn a_prefill_whose_kv_no_decode_can_load_is_ejected_not_the_decodes() {
-    let good = SimEngine::start(SimConfig::default()).await.unwrap();
-    let bad = SimEngine::start(SimConfig {
-        advertised_host: "127.0.0.2".into(),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let decodes = [
-        SimEngine::start(SimConfig::default()).await.unwrap(),
-        SimEngine::start(SimConfig::default()).await.unwrap(),
-        SimEngine::start(SimConfig::default()).await.unwrap(),
-    ];
-    let mut endpoints = vec![
-        Endpoint::new(&good.url(), Role::Prefill).unwrap(),
-        Endpoint::new(&bad.url(), Role::Prefill).unwrap(),
-    ];
-    endpoints.extend(
-        decodes
-            .iter()
-            .map(|d| Endpoint::new(&d.url(), Role::Decode).unwrap()),
-    );
+    let (_prefills, decodes, endpoints) =
+        a_bad_prefill_among_good_engines(|_| SimConfig::default()).await;
     let (inner, health, url, _stop) = ejecting_after_three(endpoints).await;
 
     let mut failed = Vec::new();
@@ -586,23 +633,7 @@ async fn a_prefill_whose_kv_no_decode_can_load_is_ejected_not_the_decodes() {
         "the bad prefill is out after four failed loads"
     );
     let set = inner.snapshot();
-    let bad_ep = Arc::clone(&set.by_role(Role::Prefill)[1]);
-    assert!(
-        matches!(health.state(&bad_ep), Some(EndpointHealth::Ejected { .. })),
-        "{:?}",
-        health.state(&bad_ep)
-    );
-    for ep in set.by_role(Role::Prefill)[..1]
-        .iter()
-        .chain(set.by_role(Role::Decode))
-    {
-        assert_eq!(
-            health.state(ep),
-            Some(EndpointHealth::Healthy),
-            "{}",
-            ep.id()
-        );
-    }
+    only_ejected(&health, &set, &set.by_role(Role::Prefill)[1]);
     let failures: u64 = decodes.iter().map(|d| d.stats().kv_pull_failures).sum();
     assert_eq!(failures, 4, "each failure was a lost KV load");
 }
@@ -617,27 +648,8 @@ async fn a_prefill_whose_kv_no_decode_can_load_is_ejected_not_the_decodes() {
 /// prefill was never ejected and the decodes took every blame).
 #[tokio::test]
 async fn with_migration_a_prefill_whose_kv_no_decode_can_load_is_still_ejected() {
-    let good = SimEngine::start(SimConfig::default()).await.unwrap();
-    let bad = SimEngine::start(SimConfig {
-        advertised_host: "127.0.0.2".into(),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let decodes = [
-        SimEngine::start(SimConfig::default()).await.unwrap(),
-        SimEngine::start(SimConfig::default()).await.unwrap(),
-        SimEngine::start(SimConfig::default()).await.unwrap(),
-    ];
-    let mut endpoints = vec![
-        Endpoint::new(&good.url(), Role::Prefill).unwrap(),
-        Endpoint::new(&bad.url(), Role::Prefill).unwrap(),
-    ];
-    endpoints.extend(
-        decodes
-            .iter()
-            .map(|d| Endpoint::new(&d.url(), Role::Decode).unwrap()),
-    );
+    let (_prefills, decodes, endpoints) =
+        a_bad_prefill_among_good_engines(|_| SimConfig::default()).await;
     let mut config = OrchestratorConfig::default();
     config.migration.limit = 1;
     config.migration.decode_only = true;
@@ -665,23 +677,7 @@ async fn with_migration_a_prefill_whose_kv_no_decode_can_load_is_still_ejected()
         );
     }
     let set = inner.snapshot();
-    let bad_ep = Arc::clone(&set.by_role(Role::Prefill)[1]);
-    assert!(
-        matches!(health.state(&bad_ep), Some(EndpointHealth::Ejected { .. })),
-        "{:?}",
-        health.state(&bad_ep)
-    );
-    for ep in set.by_role(Role::Prefill)[..1]
-        .iter()
-        .chain(set.by_role(Role::Decode))
-    {
-        assert_eq!(
-            health.state(ep),
-            Some(EndpointHealth::Healthy),
-            "{}",
-            ep.id()
-        );
-    }
+    only_ejected(&health, &set, &set.by_role(Role::Prefill)[1]);
     // Its first failure says nothing of it, the next three count: four lost loads.
     let failures: u64 = decodes.iter().map(|d| d.stats().kv_pull_failures).sum();
     assert_eq!(failures, 4, "each continued stream was a lost KV load");
@@ -714,21 +710,8 @@ async fn decodes_aborting_for_a_prefill_that_never_answered_are_not_ejected() {
         SimEngine::start(decode()).await.unwrap(),
         SimEngine::start(decode()).await.unwrap(),
     ];
-    let mut facts = disagg_core::endpoint::Facts::default();
-    let port = p.bootstrap_addr().unwrap().port().to_string();
-    facts
-        .insert(disagg_core::endpoint::Facts::BOOTSTRAP_PORT, port)
-        .unwrap();
-    let mut endpoints = vec![
-        Endpoint::new(&p.url(), Role::Prefill)
-            .unwrap()
-            .with_facts(facts),
-    ];
-    endpoints.extend(
-        decodes
-            .iter()
-            .map(|d| Endpoint::new(&d.url(), Role::Decode).unwrap()),
-    );
+    let mut endpoints = vec![endpoint_of(&p, Role::Prefill)];
+    endpoints.extend(decodes.iter().map(|d| endpoint_of(d, Role::Decode)));
     let (inner, health, url, _stop) = ejecting_after_three_over(
         endpoints,
         OrchestratorConfig::default(),
@@ -756,42 +739,11 @@ async fn decodes_aborting_for_a_prefill_that_never_answered_are_not_ejected() {
 /// bad prefill escaped the rule in some runs).
 #[tokio::test]
 async fn with_migration_and_both_legs_at_once_a_prefill_whose_kv_no_decode_can_load_is_ejected() {
-    use disagg_sim::{KvMode, SimRole};
-    let mooncake = |role, host: &str| SimConfig {
-        kv_mode: KvMode::Mooncake(role),
-        advertised_host: host.into(),
+    let (_prefills, _decodes, endpoints) = a_bad_prefill_among_good_engines(|role| SimConfig {
+        kv_mode: disagg_sim::KvMode::Mooncake(role),
         ..Default::default()
-    };
-    let good = SimEngine::start(mooncake(SimRole::Prefill, ""))
-        .await
-        .unwrap();
-    let bad = SimEngine::start(mooncake(SimRole::Prefill, "127.0.0.2"))
-        .await
-        .unwrap();
-    let mut decodes = Vec::new();
-    for _ in 0..3 {
-        decodes.push(
-            SimEngine::start(mooncake(SimRole::Decode, ""))
-                .await
-                .unwrap(),
-        );
-    }
-    let prefill = |e: &SimEngine| {
-        let mut facts = disagg_core::endpoint::Facts::default();
-        let port = e.bootstrap_addr().unwrap().port().to_string();
-        facts
-            .insert(disagg_core::endpoint::Facts::BOOTSTRAP_PORT, port)
-            .unwrap();
-        Endpoint::new(&e.url(), Role::Prefill)
-            .unwrap()
-            .with_facts(facts)
-    };
-    let mut endpoints = vec![prefill(&good), prefill(&bad)];
-    endpoints.extend(
-        decodes
-            .iter()
-            .map(|d| Endpoint::new(&d.url(), Role::Decode).unwrap()),
-    );
+    })
+    .await;
     let mut config = OrchestratorConfig::default();
     config.migration.limit = 1;
     config.migration.decode_only = true;
@@ -818,15 +770,7 @@ async fn with_migration_and_both_legs_at_once_a_prefill_whose_kv_no_decode_can_l
         );
     }
     let set = inner.snapshot();
-    let bad_ep = Arc::clone(&set.by_role(Role::Prefill)[1]);
-    assert!(
-        matches!(health.state(&bad_ep), Some(EndpointHealth::Ejected { .. })),
-        "{:?}",
-        health.state(&bad_ep)
-    );
-    for d in set.by_role(Role::Decode) {
-        assert_eq!(health.state(d), Some(EndpointHealth::Healthy), "{}", d.id());
-    }
+    only_ejected(&health, &set, &set.by_role(Role::Prefill)[1]);
 }
 
 /// The other side of the rule above: two decodes that fail every request (answering

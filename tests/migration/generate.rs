@@ -162,11 +162,7 @@ async fn a_generate_stream_its_decode_aborted_is_its_failure_and_ends_at_once() 
     assert_eq!(evs.last(), Some(&json!("[DONE]")), "{}", a.text());
     assert_eq!(evs[0]["meta_info"]["finish_reason"]["type"], "abort");
     heard.first(1).await;
-    let reports = heard.reports();
-    let report = reports
-        .iter()
-        .find(|r| r.decode != LegOutcome::NotSent)
-        .unwrap_or_else(|| panic!("{reports:?}"));
+    let report = heard.decode_attempt();
     assert_eq!(
         (report.outcome, report.decode),
         (Outcome::DecodeFailed, LegOutcome::Abandoned),

@@ -717,6 +717,16 @@ impl Heard {
     pub fn reports(&self) -> Vec<disagg_core::outcome::Report> {
         self.reports.lock().unwrap().clone()
     }
+
+    /// The first report told whose decode leg was sent.
+    pub fn decode_attempt(&self) -> disagg_core::outcome::Report {
+        let reports = self.reports();
+        let sent = reports
+            .iter()
+            .find(|r| r.decode != disagg_core::outcome::LegOutcome::NotSent);
+        sent.cloned()
+            .unwrap_or_else(|| panic!("no decode leg sent: {reports:?}"))
+    }
 }
 
 impl disagg_core::outcome::Listener for Heard {
