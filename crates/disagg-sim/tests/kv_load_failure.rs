@@ -46,15 +46,6 @@ fn assert_error_event(event: &Value) {
     assert!(message.contains("someone-else"), "{message}");
 }
 
-fn assert_streamed(reply: &Reply) {
-    assert_eq!(reply.status, 200, "{}", reply.text());
-    assert_eq!(
-        reply.headers["content-type"], "text/event-stream; charset=utf-8",
-        "{:?}",
-        reply.headers
-    );
-}
-
 #[tokio::test]
 async fn streamed_chat_decode_whose_pull_fails_sends_role_chunks_then_the_error_event() {
     let (p, d) = pair().await;
@@ -64,7 +55,7 @@ async fn streamed_chat_decode_whose_pull_fails_sends_role_chunks_then_the_error_
                       "stream_options": {"include_usage": true},
                       "kv_transfer_params": params});
     let reply = post(d.addr(), CHAT, &body).await;
-    assert_streamed(&reply);
+    assert_event_stream(&reply);
     let events = reply.events();
     assert_eq!(events.len(), 4, "{}", reply.text());
     // The first output makes the role chunk of every choice, each with the prompt's
@@ -93,7 +84,7 @@ async fn streamed_chat_decode_whose_pull_fails_sends_role_chunks_then_the_error_
     body["n"] = json!(1);
     body["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});
     let reply = post(d.addr(), CHAT, &body).await;
-    assert_streamed(&reply);
+    assert_event_stream(&reply);
     let events = reply.events();
     assert_eq!(events.len(), 3, "{}", reply.text());
     let prompt_tokens = PROMPT.split_whitespace().count();
@@ -130,7 +121,7 @@ async fn streamed_completion_decode_whose_pull_fails_ends_without_a_chunk_of_the
                           "stream": true, "stream_options": {"include_usage": include_usage},
                           "kv_transfer_params": params.clone()});
         let reply = post(d.addr(), COMPLETIONS, &body).await;
-        assert_streamed(&reply);
+        assert_event_stream(&reply);
         let events = reply.events();
         if include_usage {
             // The loop ended normally: its usage chunk, no completion token.
@@ -175,7 +166,7 @@ async fn streamed_completion_with_echo_gets_the_error_event() {
                       "stream": true, "stream_options": {"include_usage": true},
                       "kv_transfer_params": params});
     let reply = post(d.addr(), COMPLETIONS, &body).await;
-    assert_streamed(&reply);
+    assert_event_stream(&reply);
     let events = reply.events();
     assert_eq!(events.len(), 2, "{}", reply.text());
     assert_error_event(&events[0]);
@@ -198,7 +189,7 @@ async fn streamed_completion_with_a_null_max_tokens_gets_the_null_limit_error_ev
                           "stream_options": {"include_usage": true},
                           "kv_transfer_params": params.clone()});
         let reply = post(d.addr(), COMPLETIONS, &body).await;
-        assert_streamed(&reply);
+        assert_event_stream(&reply);
         let events = reply.events();
         assert_eq!(events.len(), 2, "echo {echo}: {}", reply.text());
         let error = &events[0]["error"];
@@ -251,7 +242,7 @@ async fn streamed_mooncake_decode_whose_fetch_fails_sends_the_error_event() {
                                 format!("http://{}", p.bootstrap_addr().unwrap()),
                             "remote_engine_id": "someone-else", "transfer_id": "t"}});
     let reply = post(d.addr(), CHAT, &decode).await;
-    assert_streamed(&reply);
+    assert_event_stream(&reply);
     let events = reply.events();
     assert_eq!(events.len(), 3, "{}", reply.text());
     assert_eq!(
@@ -286,7 +277,7 @@ async fn streamed_push_decode_whose_registration_fails_sends_the_error_event() {
                             "remote_engine_id": "someone-else", "remote_host": "127.0.0.1",
                             "remote_port": p.side_channel_addr().port(), "tp_size": 1}});
     let reply = post_with(d.addr(), COMPLETIONS, &headers, &decode).await;
-    assert_streamed(&reply);
+    assert_event_stream(&reply);
     assert_eq!(reply.headers["x-request-id"], "req-1");
     let events = reply.events();
     assert_eq!(events.len(), 2, "{}", reply.text());
@@ -334,7 +325,7 @@ async fn streamed_messages_decode_whose_pull_fails_sends_message_start_then_the_
                       "messages": [{"role": "user", "content": PROMPT}],
                       "kv_transfer_params": params});
     let reply = post_with(d.addr(), "/v1/messages", &headers, &body).await;
-    assert_streamed(&reply);
+    assert_event_stream(&reply);
     assert_eq!(reply.headers["x-request-id"], "msg-1");
     let events = anthropic_events(&reply);
     let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();

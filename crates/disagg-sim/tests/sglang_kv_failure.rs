@@ -101,15 +101,6 @@ fn assert_sglang_error_event(text: &str, event: &Value, port: u16) {
     assert!(message.contains(&format!("127.0.0.1:{port}")), "{message}");
 }
 
-fn assert_streamed(reply: &Reply) {
-    assert_eq!(reply.status, 200, "{}", reply.text());
-    assert_eq!(
-        reply.headers["content-type"], "text/event-stream; charset=utf-8",
-        "{:?}",
-        reply.headers
-    );
-}
-
 #[tokio::test]
 async fn not_streamed_the_failure_is_sglangs_error_response_on_every_route() {
     let d = decode(Duration::from_secs(1)).await;
@@ -140,7 +131,7 @@ async fn streamed_chat_and_completions_fail_with_the_error_event_then_usage_then
             };
             body["stream_options"] = json!({"include_usage": include_usage});
             let reply = post(d.addr(), path, &to_room(body, port)).await;
-            assert_streamed(&reply);
+            assert_event_stream(&reply);
             let text = reply.text();
             let events = reply.events();
             // No role chunk, no token chunk: the error is the stream's first event.
@@ -162,7 +153,7 @@ async fn streamed_chat_and_completions_fail_with_the_error_event_then_usage_then
 }
 
 /// The abort event of element `index` of a streamed `/generate` (`None`: not a batch).
-fn assert_abort_event(event: &Value, index: Option<u64>, prompt_tokens: usize) {
+fn assert_abort_event(event: &Value, index: Option<u64>, prompt_tokens: usize, says: &str) {
     assert_eq!(event["text"], "", "{event}");
     assert_eq!(event["output_ids"], json!([]), "{event}");
     assert_eq!(event.get("index").and_then(Value::as_u64), index, "{event}");
@@ -176,6 +167,7 @@ fn assert_abort_event(event: &Value, index: Option<u64>, prompt_tokens: usize) {
     assert_eq!(finish.as_object().unwrap().len(), 4, "{event}");
     let message = finish["message"].as_str().unwrap();
     assert!(message.starts_with("KV transfer failed: "), "{message}");
+    assert!(message.contains(says), "{message} does not say {says:?}");
 }
 
 #[tokio::test]
@@ -183,17 +175,15 @@ async fn streamed_generate_fails_with_an_abort_finish_reason_then_done() {
     let d = decode(Duration::from_secs(1)).await;
     let (port, _held) = unused_port();
     let reply = post(d.addr(), GENERATE, &to_room(generate(true), port)).await;
-    assert_streamed(&reply);
+    assert_event_stream(&reply);
     let events = reply.events();
     assert_eq!(events.len(), 2, "{}", reply.text());
-    assert_abort_event(&events[0], None, PROMPT.split_whitespace().count());
-    assert!(
-        events[0]["meta_info"]["finish_reason"]["message"]
-            .as_str()
-            .unwrap()
-            .contains(&format!("127.0.0.1:{port}")),
-        "{}",
-        events[0]
+    let address = format!("127.0.0.1:{port}");
+    assert_abort_event(
+        &events[0],
+        None,
+        PROMPT.split_whitespace().count(),
+        &address,
     );
     assert_eq!(events[1], "[DONE]");
 
@@ -205,11 +195,11 @@ async fn streamed_generate_fails_with_an_abort_finish_reason_then_done() {
     batch["bootstrap_port"] = json!([port, port]);
     batch["bootstrap_room"] = json!([7, 8]);
     let reply = post(d.addr(), GENERATE, &batch).await;
-    assert_streamed(&reply);
+    assert_event_stream(&reply);
     let events = reply.events();
     assert_eq!(events.len(), 3, "{}", reply.text());
-    assert_abort_event(&events[0], Some(0), 2);
-    assert_abort_event(&events[1], Some(1), 3);
+    assert_abort_event(&events[0], Some(0), 2, &address);
+    assert_abort_event(&events[1], Some(1), 3, &address);
     assert_eq!(events[2], "[DONE]");
     let s = wait_for(&d, |s| s.active_requests == 0).await;
     assert_eq!((s.kv_pull_failures, s.remote_decodes), (2, 0));
@@ -240,15 +230,8 @@ async fn a_streamed_generate_gets_its_head_before_the_wait_ends_a_chat_only_afte
     let reply = read(head).await;
     let events = reply.events();
     assert_eq!(events.len(), 2, "{}", reply.text());
-    assert_abort_event(&events[0], None, PROMPT.split_whitespace().count());
-    assert!(
-        events[0]["meta_info"]["finish_reason"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("no prefill for room 7"),
-        "{}",
-        events[0]
-    );
+    let room = "no prefill for room 7";
+    assert_abort_event(&events[0], None, PROMPT.split_whitespace().count(), room);
     let s = d.stats();
     assert_eq!((s.kv_pull_failures, s.bootstrap_timeouts), (1, 1), "{s:?}");
 

@@ -264,3 +264,13 @@ pub fn sglang_error_message(reply: &Reply) -> String {
     assert_eq!(v["type"], reply.status.to_string(), "{v}");
     v["message"].as_str().unwrap().to_owned()
 }
+
+/// A 200 event stream, as vLLM's and SGLang's servers type it.
+pub fn assert_event_stream(reply: &Reply) {
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(
+        reply.headers["content-type"], "text/event-stream; charset=utf-8",
+        "{:?}",
+        reply.headers
+    );
+}
