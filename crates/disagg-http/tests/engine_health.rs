@@ -679,15 +679,18 @@ async fn an_sglang_abort_in_a_generate_stream_counts_as_its_status_says() {
     // SGLang's `/generate` tells a request its engine aborted (a decode whose KV transfer
     // failed) in its last event's finish reason, then ends with `[DONE]`: no served
     // answer. Naming a 5xx it is the engine's failure (one ejects it here), a 4xx the
-    // request's; relayed whole, the route broken, sent direct or forwarded. Another
-    // path's stream is not read so.
+    // request's; relayed whole, the route broken, sent direct or forwarded, however the
+    // path is spelled. Another path's stream is not read so.
     for action in [RouteAction::Direct, RouteAction::Forwarded] {
         let (addr, ep, source, routes) = one_engine_routing("/generate", action).await;
         let health = source.health();
         let (status, text) = post(addr, "/v1/embeddings", "do-abort-500").await;
         assert_eq!(status, 200, "{action:?}: {text}");
-        let (status, text) = post(addr, "/generate", "do-abort-400").await;
-        assert_eq!(status, 200, "{action:?}: {text}");
+        // However the client spells the path.
+        for path in ["/generate", "//generate", "/%67enerate", "/x/../generate"] {
+            let (status, text) = post(addr, path, "do-abort-400").await;
+            assert_eq!(status, 200, "{action:?} {path}: {text}");
+        }
         assert_eq!(
             health.state(&ep),
             Some(EndpointHealth::Healthy),
@@ -708,6 +711,9 @@ async fn an_sglang_abort_in_a_generate_stream_counts_as_its_status_says() {
             routes.told(),
             [
                 ("/v1/embeddings".to_owned(), Delivery::Complete),
+                ("/generate".to_owned(), Delivery::Broken),
+                ("/generate".to_owned(), Delivery::Broken),
+                ("/generate".to_owned(), Delivery::Broken),
                 ("/generate".to_owned(), Delivery::Broken),
                 ("/generate".to_owned(), Delivery::Broken)
             ],

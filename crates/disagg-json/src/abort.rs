@@ -126,3 +126,25 @@ pub(crate) fn in_payload(payload: &[u8]) -> Option<ErrorEvent> {
     aborts.watch(payload);
     aborts.finish()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_finish_reason_that_never_ends_keeps_at_most_the_ceiling() {
+        // An engine's object with no line end (a hostile or broken peer): read up to the
+        // ceiling, then judged by what came; nothing more is kept.
+        let mut aborts = Aborts::default();
+        aborts.watch(br#"data: {"meta_info":{"finish_reason":{"type":"abort","message":""#);
+        for _ in 0..1000 {
+            aborts.watch(&[b'x'; 1024]);
+            let kept = aborts.object.as_ref().map_or(0, Vec::len);
+            assert!(kept <= MAX_ERROR_EVENT, "{kept}");
+        }
+        // Cut at the ceiling, it starts as SGLang writes an abort: one of no status.
+        assert!(aborts.found());
+        assert!(aborts.object.is_none());
+        assert_eq!(aborts.finish().map(|e| e.status()), Some(None));
+    }
+}
