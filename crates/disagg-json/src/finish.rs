@@ -30,8 +30,9 @@ const TAIL: usize = 16;
 /// finish reason set: to a string, or to an object as SGLang's native stream sets it
 /// (not `null`).
 ///
-/// Its values are found by [`ReasonValues`]; the first one set ends the watch. Nothing
-/// is allocated.
+/// One `memchr` search per frame for `"finish_reason"` (a key cut between two frames is
+/// found too), then the bytes up to its value's first byte; the first value set ends
+/// the watch. Nothing is allocated.
 ///
 /// ```
 /// use disagg_json::FinishReasons;
